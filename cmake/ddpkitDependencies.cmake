@@ -1,0 +1,53 @@
+# Finds what ddpkit's headers need and attaches it to a target. Shared by the
+# build tree and the installed package (ddpkitConfig.cmake includes this file),
+# so a consumer's `find_package(ddpkit)` finds exactly what our tests use.
+include_guard(GLOBAL)
+include(CMakeFindDependencyMacro)
+
+# libtorch: Debian's libtorch-dev (CPU) or any CUDA libtorch (e.g. the one in a
+# PyTorch wheel: -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')).
+find_dependency(Torch)
+find_dependency(range-v3)
+find_package(PkgConfig QUIET)
+if(PkgConfig_FOUND)
+  pkg_check_modules(DDPKIT_TURBOJPEG QUIET IMPORTED_TARGET libturbojpeg)
+endif()
+find_package(PNG QUIET)
+
+# ddpkit_link_dependencies(<target> [BUILD_TREE]): BUILD_TREE wraps every
+# item in $<BUILD_INTERFACE:...> so the exported target stays free of paths.
+function(ddpkit_link_dependencies target)
+  cmake_parse_arguments(arg "BUILD_TREE" "" "" ${ARGN})
+  set(libs ${TORCH_LIBRARIES} range-v3::range-v3 Threads::Threads)
+  set(incs ${TORCH_INCLUDE_DIRS})
+  set(defs "")
+  find_package(Threads REQUIRED)
+  # c10d's gloo backend headers are guarded by USE_C10D_GLOO; Debian's
+  # libtorch is built with gloo, the headers come from libgloo-dev.
+  find_path(DDPKIT_GLOO_INCLUDE gloo/config.h HINTS ${TORCH_INCLUDE_DIRS})
+  if(DDPKIT_GLOO_INCLUDE)
+    list(APPEND defs USE_C10D_GLOO DDPKIT_HAS_GLOO=1)
+  endif()
+  if(TORCH_CUDA_LIBRARIES OR CUDA_FOUND)
+    list(APPEND defs USE_C10D_NCCL DDPKIT_HAS_CUDA=1)
+  endif()
+  if(TARGET PkgConfig::DDPKIT_TURBOJPEG)
+    list(APPEND libs PkgConfig::DDPKIT_TURBOJPEG)
+    list(APPEND defs DDPKIT_HAS_TURBOJPEG=1)
+  endif()
+  if(PNG_FOUND)
+    list(APPEND libs PNG::PNG)
+    list(APPEND defs DDPKIT_HAS_PNG=1)
+  endif()
+  if(arg_BUILD_TREE)
+    list(TRANSFORM libs PREPEND "$<BUILD_INTERFACE:")
+    list(TRANSFORM libs APPEND ">")
+    list(TRANSFORM incs PREPEND "$<BUILD_INTERFACE:")
+    list(TRANSFORM incs APPEND ">")
+    list(TRANSFORM defs PREPEND "$<BUILD_INTERFACE:")
+    list(TRANSFORM defs APPEND ">")
+  endif()
+  target_link_libraries(${target} INTERFACE ${libs})
+  target_include_directories(${target} SYSTEM INTERFACE ${incs})
+  target_compile_definitions(${target} INTERFACE ${defs})
+endfunction()

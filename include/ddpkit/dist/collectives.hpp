@@ -1,0 +1,182 @@
+// Collectives for training code: all-reduce (sum/mean/max/min) of tensors and
+// values, all-gather, broadcast of tensors, values, strings and small
+// structs, barrier. The reference recipe's `reduce_value`, typed.
+#pragma once
+
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "ddpkit/detail/error.hpp"
+#include "ddpkit/dist/process_group.hpp"
+
+namespace ddpkit::dist {
+
+enum class Reduce { sum, mean, max, min };
+
+namespace detail {
+
+inline void wait(const Group& g, const compat::WorkPtr& work,
+                 const char* what) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    throw DistError(ddpkit::detail::cat(
+        "rank ", g.rank(), ": ", what, " failed (a peer may have died or the ",
+        "collective timed out after ", g.timeout().count() / 1000.0,
+        " s): ", msg.substr(0, msg.find('\n'))));
+  }
+}
+
+inline c10d::ReduceOp to_c10d(Reduce r) {
+  switch (r) {
+    case Reduce::max: return compat::reduce_max();
+    case Reduce::min: return compat::reduce_min();
+    default: return compat::reduce_sum();
+  }
+}
+
+inline void check_dense(const torch::Tensor& t, const char* what) {
+  if (!t.defined() || !t.is_contiguous()) {
+    throw Error(ddpkit::detail::cat(what,
+                                    " needs a defined, contiguous tensor"));
+  }
+}
+
+}  // namespace detail
+
+/// Starts an in-place all-reduce and returns its work handle (no wait). Mean
+/// is left to the caller; see `all_reduce` for the blocking form.
+inline compat::WorkPtr all_reduce_async(const Group& g, torch::Tensor& t,
+                                        Reduce op = Reduce::sum) {
+  std::vector<torch::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = detail::to_c10d(op);
+  return g.backend()->allreduce(ts, opts);
+}
+
+/// In-place all-reduce of `t` over every rank.
+inline torch::Tensor& all_reduce(const Group& g, torch::Tensor& t,
+                                 Reduce op = Reduce::sum) {
+  detail::check_dense(t, "all_reduce");
+  if (g.size() > 1) {
+    detail::wait(g, all_reduce_async(g, t, op), "all_reduce");
+  }
+  if (op == Reduce::mean) t.div_(g.size());
+  return t;
+}
+
+/// All-reduce of one arithmetic value (computed in double, or int64 for
+/// integers, so counts stay exact).
+template <class T>
+  requires std::is_arithmetic_v<T>
+T all_reduce_value(const Group& g, T value, Reduce op = Reduce::sum) {
+  if (g.size() == 1) return value;
+  auto dtype = std::is_integral_v<T> ? torch::kInt64 : torch::kFloat64;
+  torch::Tensor t = torch::full({1}, static_cast<double>(value),
+                       torch::TensorOptions().dtype(dtype).device(g.device()));
+  if constexpr (std::is_integral_v<T>) {
+    t.fill_(static_cast<int64_t>(value));
+  }
+  all_reduce(g, t, op == Reduce::mean ? Reduce::sum : op);
+  if constexpr (std::is_integral_v<T>) {
+    auto v = t.item<int64_t>();
+    return static_cast<T>(op == Reduce::mean ? v / g.size() : v);
+  } else {
+    auto v = t.item<double>();
+    return static_cast<T>(op == Reduce::mean ? v / g.size() : v);
+  }
+}
+
+/// Gathers `t` (same shape and dtype on every rank) from all ranks, in rank
+/// order.
+inline std::vector<torch::Tensor> all_gather(const Group& g,
+                                             const torch::Tensor& t) {
+  auto src = t.contiguous();
+  if (g.size() == 1) return {src.clone()};
+  std::vector<std::vector<torch::Tensor>> out(1);
+  for (int r = 0; r < g.size(); ++r) out[0].push_back(torch::empty_like(src));
+  std::vector<torch::Tensor> in{src};
+  detail::wait(g, g.backend()->allgather(out, in), "all_gather");
+  return out[0];
+}
+
+/// All-gather of one arithmetic value per rank, in rank order.
+template <class T>
+  requires std::is_arithmetic_v<T>
+std::vector<T> all_gather_value(const Group& g, T value) {
+  torch::Tensor t = torch::tensor({static_cast<double>(value)}, torch::kFloat64);
+  if constexpr (std::is_integral_v<T>) {
+    t = torch::tensor({static_cast<int64_t>(value)}, torch::kInt64);
+  }
+  t = t.to(g.device());
+  std::vector<T> out;
+  for (const torch::Tensor& x : all_gather(g, t)) {
+    if constexpr (std::is_integral_v<T>) {
+      out.push_back(static_cast<T>(x.item<int64_t>()));
+    } else {
+      out.push_back(static_cast<T>(x.item<double>()));
+    }
+  }
+  return out;
+}
+
+/// In-place broadcast of `t` from rank `src` to all ranks.
+inline torch::Tensor& broadcast(const Group& g, torch::Tensor& t,
+                                int src = 0) {
+  detail::check_dense(t, "broadcast");
+  if (src < 0 || src >= g.size()) {
+    throw Error(ddpkit::detail::cat("broadcast from rank ", src,
+                                    " in a world of ", g.size()));
+  }
+  if (g.size() == 1) return t;
+  std::vector<torch::Tensor> ts{t};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  detail::wait(g, g.backend()->broadcast(ts, opts), "broadcast");
+  return t;
+}
+
+/// Broadcast of a trivially copyable value (a number or a small struct).
+template <class T>
+  requires std::is_trivially_copyable_v<T>
+T broadcast_value(const Group& g, const T& value, int src = 0) {
+  if (g.size() == 1) return value;
+  torch::Tensor t = torch::empty({static_cast<int64_t>(sizeof(T))}, torch::kUInt8);
+  std::memcpy(t.data_ptr(), &value, sizeof(T));
+  t = t.to(g.device());
+  broadcast(g, t, src);
+  t = t.cpu();
+  T out;
+  std::memcpy(&out, t.data_ptr(), sizeof(T));
+  return out;
+}
+
+/// Broadcast of a string of any length (length first, then the bytes).
+inline std::string broadcast_string(const Group& g, const std::string& s,
+                                    int src = 0) {
+  if (g.size() == 1) return s;
+  auto n = broadcast_value<int64_t>(g, static_cast<int64_t>(s.size()), src);
+  auto t = torch::zeros({n}, torch::kUInt8);
+  if (g.rank() == src && n > 0) std::memcpy(t.data_ptr(), s.data(), s.size());
+  if (n > 0) {
+    t = t.to(g.device());
+    broadcast(g, t, src);
+    t = t.cpu();
+  }
+  return std::string(static_cast<const char*>(t.data_ptr()),
+                     static_cast<std::size_t>(n));
+}
+
+/// Blocks until every rank reaches it.
+inline void barrier(const Group& g) {
+  if (g.size() == 1) return;
+  // gloo's barrier is an all-reduce of nothing; one of a single byte has the
+  // same effect and the same failure reporting on every backend.
+  auto t = torch::zeros({1}, torch::TensorOptions(torch::kUInt8).device(g.device()));
+  all_reduce(g, t);
+}
+
+}  // namespace ddpkit::dist

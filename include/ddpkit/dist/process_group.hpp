@@ -1,0 +1,242 @@
+// Rendezvous (c10d TCPStore hosted by rank 0, or FileStore) and the process
+// group over it (gloo for CPU tensors, NCCL for CUDA tensors where built).
+// `Group` is a cheap handle; a world of one needs no store and no backend.
+#pragma once
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "ddpkit/detail/error.hpp"
+#include "ddpkit/dist/compat.hpp"
+#include "ddpkit/dist/env.hpp"
+
+namespace ddpkit::dist {
+
+enum class BackendKind { automatic, gloo, nccl };
+
+/// How to meet the other ranks and talk to them.
+struct GroupOptions {
+  /// `env://` (MASTER_ADDR/PORT from the DistEnv), `tcp://host:port`, or
+  /// `file:///path/to/shared/file`.
+  TORCH_ARG(std::string, init_method) = "env://";
+  TORCH_ARG(BackendKind, backend) = BackendKind::automatic;
+  /// How long rank 0 waits for every rank to join, and clients to connect.
+  TORCH_ARG(std::chrono::milliseconds, rendezvous_timeout) =
+      std::chrono::seconds(300);
+  /// How long one collective may take before it fails (gloo/NCCL timeout).
+  TORCH_ARG(std::chrono::milliseconds, collective_timeout) =
+      std::chrono::seconds(300);
+  /// Where gloo binds. Empty: `GLOO_SOCKET_IFNAME` if set, loopback when the
+  /// master is on loopback, else this host's name.
+  TORCH_ARG(std::string, bind_address) = "";
+};
+
+namespace detail {
+
+inline bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+inline std::chrono::milliseconds env_timeout(const char* name,
+                                             std::chrono::milliseconds dflt) {
+  if (const char* v = std::getenv(name)) {
+    double secs = 0;
+    try {
+      secs = std::stod(v);
+    } catch (...) {
+      secs = -1;
+    }
+    if (!(secs > 0)) {
+      throw UsageError(ddpkit::detail::cat("environment variable ", name, "='",
+                                           v,
+                                           "' is not a positive number of seconds"));
+    }
+    return std::chrono::milliseconds(static_cast<long long>(secs * 1000));
+  }
+  return dflt;
+}
+
+}  // namespace detail
+
+/// A process group: this rank, the world, and the c10d backend between them.
+///
+/// Example:
+/// ```
+/// auto group = ddpkit::dist::Group::init(ddpkit::dist::read_env());
+/// auto t = torch::ones({3});
+/// ddpkit::dist::all_reduce(group, t);  // t == world_size everywhere
+/// ```
+class Group {
+ public:
+  /// A world of one: every collective is the identity.
+  Group() = default;
+
+  static Group init(const DistEnv& env, GroupOptions opts = {}) {
+    Group g;
+    g.env_ = env;
+    if (env.world_size == 1) return g;
+    auto rdv_timeout = detail::env_timeout("DDPKIT_RENDEZVOUS_TIMEOUT",
+                                           opts.rendezvous_timeout());
+    auto coll_timeout = detail::env_timeout("DDPKIT_COLLECTIVE_TIMEOUT",
+                                            opts.collective_timeout());
+    g.store_ = rendezvous(env, opts.init_method(), rdv_timeout);
+    wait_for_all(g.store_, env, rdv_timeout);
+    g.backend_ = make_backend(g.store_, env, opts, coll_timeout);
+    g.timeout_ = coll_timeout;
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
+    if (dynamic_cast<c10d::ProcessGroupNCCL*>(g.backend_.get()) != nullptr) {
+      g.device_ = torch::Device(torch::kCUDA, env.local_rank);
+    }
+#endif
+    return g;
+  }
+
+  int rank() const { return env_.rank; }
+  int size() const { return env_.world_size; }
+  int local_rank() const { return env_.local_rank; }
+  bool is_main() const { return env_.rank == 0; }
+  const DistEnv& env() const { return env_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// Where this group's tensors live: CPU for gloo, this rank's GPU for NCCL.
+  torch::Device device() const { return device_; }
+
+  /// The c10d backend; null in a world of one.
+  const compat::BackendPtr& backend() const { return backend_; }
+  /// The rendezvous store; null in a world of one.
+  const compat::StorePtr& store() const { return store_; }
+
+ private:
+  static compat::StorePtr rendezvous(const DistEnv& env,
+                                     const std::string& init_method,
+                                     std::chrono::milliseconds timeout) {
+    using ddpkit::detail::cat;
+    std::string host = env.master_addr;
+    int port = env.master_port;
+    try {
+      if (init_method.rfind("file://", 0) == 0) {
+        std::string path = init_method.substr(7);
+        if (path.empty()) {
+          throw UsageError("init method 'file://' names no file");
+        }
+        return compat::make_file_store(path, env.world_size, timeout);
+      }
+      if (init_method.rfind("tcp://", 0) == 0) {
+        std::string hp = init_method.substr(6);
+        auto colon = hp.rfind(':');
+        if (colon == std::string::npos) {
+          throw UsageError(cat("init method '", init_method,
+                               "' lacks a port (expected tcp://host:port)"));
+        }
+        host = hp.substr(0, colon);
+        port = std::stoi(hp.substr(colon + 1));
+      } else if (init_method != "env://") {
+        throw UsageError(cat("init method '", init_method,
+                             "' is unknown (expected env://, tcp://host:port "
+                             "or file:///path)"));
+      }
+      return compat::make_tcp_store(host, port, env.rank == 0, env.world_size,
+                                    timeout);
+    } catch (const c10::Error& e) {
+      std::string what = e.what_without_backtrace();
+      if (what.find("ddress already in use") != std::string::npos) {
+        throw DistError(cat("rank ", env.rank, ": cannot host the rendezvous "
+                            "store on ", host, ":", port,
+                            ": the port is already in use (choose another "
+                            "MASTER_PORT)"));
+      }
+      throw DistError(cat("rank ", env.rank, ": rendezvous at ", host, ":",
+                          port, " failed within ", timeout.count() / 1000.0,
+                          " s waiting for ", env.world_size,
+                          " ranks (is every rank started, with the same "
+                          "MASTER_ADDR/MASTER_PORT?): ",
+                          what.substr(0, what.find('\n'))));
+    } catch (const std::exception& e) {
+      if (dynamic_cast<const Error*>(&e)) throw;
+      throw DistError(cat("rank ", env.rank, ": rendezvous at ", host, ":",
+                          port, " failed: ", e.what()));
+    }
+  }
+
+  // Every rank checks in; all wait until the last has. A missing rank is
+  // then a timeout here, with a count, rather than deep inside gloo.
+  static void wait_for_all(const compat::StorePtr& store, const DistEnv& env,
+                           std::chrono::milliseconds timeout) {
+    using ddpkit::detail::cat;
+    const std::string joined = "ddpkit/rendezvous/joined";
+    const std::string done = "ddpkit/rendezvous/complete";
+    try {
+      auto n = store->add(joined, 1);
+      if (n == env.world_size) store->set(done, std::vector<uint8_t>{1});
+      store->wait({done}, timeout);
+    } catch (const c10::Error& e) {
+      int64_t n = -1;
+      try {
+        n = store->add(joined, 0);
+      } catch (...) {
+      }
+      throw DistError(cat("rank ", env.rank, ": rendezvous at ",
+                          env.master_addr, ":", env.master_port,
+                          " timed out after ", timeout.count() / 1000.0,
+                          " s waiting for ", env.world_size, " ranks (", n,
+                          " joined; is every rank started, with the same "
+                          "MASTER_ADDR/MASTER_PORT and WORLD_SIZE?)"));
+    }
+  }
+
+  static compat::BackendPtr make_backend(const compat::StorePtr& store,
+                                         const DistEnv& env,
+                                         const GroupOptions& opts,
+                                         std::chrono::milliseconds timeout) {
+    using ddpkit::detail::cat;
+    BackendKind kind = opts.backend();
+    if (kind == BackendKind::automatic) {
+      kind = (compat::has_nccl && torch::cuda::is_available())
+                 ? BackendKind::nccl
+                 : BackendKind::gloo;
+    }
+    // Each group gets its own key space so several can share one store.
+    auto prefixed = compat::make_prefix_store("ddpkit/default_pg", store);
+    try {
+      if (kind == BackendKind::nccl) {
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
+        return compat::make_nccl(prefixed, env.rank, env.world_size, timeout);
+#else
+        throw UsageError("backend nccl requested, but this build of ddpkit "
+                         "has no NCCL (libtorch without CUDA)");
+#endif
+      }
+#if defined(USE_C10D_GLOO)
+      std::string addr = opts.bind_address();
+      bool is_iface = false;
+      if (addr.empty()) {
+        if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+          addr = ifname;
+          is_iface = true;
+        } else if (detail::is_loopback(env.master_addr)) {
+          addr = "127.0.0.1";
+        }
+      }
+      return compat::make_gloo(prefixed, env.rank, env.world_size, timeout,
+                               addr, is_iface);
+#else
+      throw UsageError("backend gloo requested, but libtorch was built "
+                       "without it");
+#endif
+    } catch (const c10::Error& e) {
+      std::string what = e.what_without_backtrace();
+      throw DistError(cat("rank ", env.rank, ": creating the process group "
+                          "failed: ", what.substr(0, what.find('\n'))));
+    }
+  }
+
+  DistEnv env_{};
+  compat::StorePtr store_;
+  compat::BackendPtr backend_;
+  std::chrono::milliseconds timeout_{std::chrono::seconds(300)};
+  torch::Device device_{torch::kCPU};
+};
+
+}  // namespace ddpkit::dist

@@ -1,0 +1,32 @@
+// The one test main. Run normally, it is doctest. Run with
+// DDPKIT_TEST_WORKER=name (as `run_workers` does), it is one rank of a
+// multi-process test and runs that worker instead.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include "doctest_torch.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+
+#include "support.hpp"
+
+int main(int argc, char** argv) {
+  if (const char* name = std::getenv("DDPKIT_TEST_WORKER")) {
+    auto it = ddpkit::test::workers().find(name);
+    if (it == ddpkit::test::workers().end()) {
+      std::fprintf(stderr, "no test worker named '%s'\n", name);
+      return 99;
+    }
+    torch::set_num_threads(1);
+    try {
+      return it->second();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "worker %s (rank %s) failed: %s\n", name,
+                   std::getenv("RANK") ? std::getenv("RANK") : "?", e.what());
+      return 1;
+    }
+  }
+  doctest::Context context;
+  context.applyCommandLine(argc, argv);
+  return context.run();
+}

@@ -1,0 +1,108 @@
+// Test support: multi-process "workers" that the test binary runs in child
+// processes (spawned through ddpkit's own launcher), and temp folders.
+#pragma once
+
+#include "doctest_torch.hpp"
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ddpkit/dist.hpp"
+
+namespace ddpkit::test {
+
+using WorkerFn = int (*)();
+
+inline std::map<std::string, WorkerFn>& workers() {
+  static std::map<std::string, WorkerFn> table;
+  return table;
+}
+
+struct RegisterWorker {
+  RegisterWorker(const char* name, WorkerFn fn) { workers()[name] = fn; }
+};
+
+/// Defines a function run in each rank's process by `run_workers("name")`.
+/// It returns the process exit code; throwing fails the rank too.
+#define DDPKIT_WORKER(name)                                            \
+  static int name##_worker_fn();                                       \
+  static ::ddpkit::test::RegisterWorker name##_worker_registration(    \
+      #name, &name##_worker_fn);                                       \
+  static int name##_worker_fn()
+
+/// A fresh folder under the system temp dir, removed by the destructor.
+class TempDir {
+ public:
+  TempDir() {
+    std::random_device rd;
+    path_ = std::filesystem::temp_directory_path() /
+            ("ddpkit-test-" + std::to_string(rd()) + std::to_string(rd()));
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+  std::filesystem::path operator/(const std::string& p) const {
+    return path_ / p;
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+/// The folder a worker should write its results to (set by run_workers).
+inline std::filesystem::path worker_dir() {
+  const char* d = std::getenv("DDPKIT_TEST_DIR");
+  return d ? std::filesystem::path(d) : std::filesystem::temp_directory_path();
+}
+
+/// Short timeouts so a broken test fails in seconds, not minutes.
+inline dist::GroupOptions test_group_options() {
+  return dist::GroupOptions()
+      .rendezvous_timeout(std::chrono::seconds(30))
+      .collective_timeout(std::chrono::seconds(30));
+}
+
+/// The process group of the current worker.
+inline dist::Group worker_group() {
+  return dist::Group::init(dist::read_env(), test_group_options());
+}
+
+/// Runs the worker `name` as `world_size` real processes over gloo on
+/// loopback, each told to write into `dir`.
+inline dist::SpawnResult run_workers(
+    const std::string& name, int world_size, const std::string& dir = "",
+    std::vector<std::pair<std::string, std::string>> env = {}) {
+  env.emplace_back("DDPKIT_TEST_WORKER", name);
+  if (!dir.empty()) env.emplace_back("DDPKIT_TEST_DIR", dir);
+  env.emplace_back("OMP_NUM_THREADS", "1");
+  return dist::spawn(dist::SpawnOptions(world_size)
+                         .env(std::move(env))
+                         .quiet_workers(false)
+                         .report(false));
+}
+
+/// Loads a tensor a worker saved with `save_tensor`.
+inline torch::Tensor load_tensor(const std::filesystem::path& p) {
+  torch::Tensor t;
+  torch::load(t, p.string());
+  return t;
+}
+
+inline void save_tensor(const torch::Tensor& t, const std::filesystem::path& p) {
+  torch::save(t, p.string());
+}
+
+}  // namespace ddpkit::test
