@@ -1,0 +1,10 @@
+// Everything about data: samplers, datasets (CIFAR-10 binary, the synthetic
+// set, ImageFolder with JPEG/PNG decode), batched transforms and the
+// prefetching loader.
+#pragma once
+
+#include "ddpkit/data/samplers.hpp"
+#include "ddpkit/data/cifar10.hpp"
+#include "ddpkit/data/synthetic.hpp"
+#include "ddpkit/data/transforms.hpp"
+#include "ddpkit/data/loader.hpp"

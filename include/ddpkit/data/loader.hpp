@@ -1,0 +1,283 @@
+// The prefetching loader: worker threads fetch, decode and augment batches
+// ahead of the training loop into a bounded window, handed out in order.
+// Every batch's randomness is seeded from (seed, epoch, rank, batch index),
+// so the batches are the same whatever the number of workers.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/data/transforms.hpp"
+#include "ddpkit/detail/error.hpp"
+
+namespace ddpkit::data {
+
+/// One batch: `data` float N×3×H×W, `target` int64 N.
+struct Batch {
+  torch::Tensor data;
+  torch::Tensor target;
+};
+
+/// Options of `Loader`.
+struct LoaderOptions {
+  explicit LoaderOptions(std::size_t batch_size = 64) : batch_size_(batch_size) {}
+  TORCH_ARG(std::size_t, batch_size);
+  /// Worker threads; 0 makes each batch in `next()` on the calling thread.
+  TORCH_ARG(int, workers) = 2;
+  /// How many batches may be ready or in the making ahead of the consumer
+  /// (the bound of the queue; memory is about prefetch × batch).
+  TORCH_ARG(std::size_t, prefetch) = 4;
+  /// Seed of the augmentation; combined with epoch, rank and batch index.
+  TORCH_ARG(std::uint64_t, seed) = 0;
+  /// This process's rank, so ranks draw different augmentations.
+  TORCH_ARG(int, rank) = 0;
+  /// Drop a last batch smaller than `batch_size`.
+  TORCH_ARG(bool, drop_last) = false;
+  /// Put batches in page-locked memory (CUDA builds only; ignored on CPU)
+  /// so `to(device, /*non_blocking=*/true)` overlaps the copy.
+  TORCH_ARG(bool, pin_memory) = false;
+};
+
+/// The seed of batch `batch` of `epoch` on `rank`: a splitmix64 chain, so
+/// neighbouring inputs give unrelated streams.
+inline std::uint64_t batch_seed(std::uint64_t seed, std::uint64_t epoch,
+                                std::uint64_t rank, std::uint64_t batch) {
+  auto mix = [](std::uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  return mix(mix(mix(mix(seed) ^ epoch) ^ rank) ^ batch);
+}
+
+/// Moves a batch to `device`; asynchronous from pinned memory on CUDA.
+inline Batch to_device(const Batch& b, const torch::Device& device) {
+#ifdef DDPKIT_HAS_CUDA
+  const bool async = device.is_cuda() && b.data.is_pinned();
+#else
+  const bool async = false;
+#endif
+  return {b.data.to(device, async), b.target.to(device, async)};
+}
+
+/// Iterates the batches of one epoch; move-only, stops its workers when
+/// destroyed (also mid-epoch).
+template <class Dataset, class Transform>
+class LoaderEpoch;
+
+/// A prefetching loader over a dataset and a transform.
+///
+/// The dataset needs `size()` and `get(const std::vector<std::size_t>&)`
+/// returning `{images, labels}` (images: a uint8 N×3×H×W tensor or a vector
+/// of uint8 3×H×W tensors); the transform is called as
+/// `transform(images, torch::Generator&)` and returns float N×3×H×W
+/// (`CifarTrain`, `CifarEval`, `ImageNetTrain`, `ImageNetEval`).
+///
+/// Example:
+/// ```
+/// using namespace ddpkit::data;
+/// auto set = make_synthetic(SyntheticOptions(5000).seed(1));
+/// Loader loader(set, CifarTrain{}, LoaderOptions(128).workers(2).seed(7));
+/// RandomSampling sampler(set.size(), {.seed = 7});
+/// for (size_t epoch = 0; epoch < 3; ++epoch) {
+///   sampler.set_epoch(epoch);
+///   for (Batch b : loader.epoch(sampler.indices(), epoch)) { ... }
+/// }
+/// ```
+template <class Dataset, class Transform>
+class Loader {
+ public:
+  Loader(Dataset dataset, Transform transform, LoaderOptions options)
+      : state_(std::make_shared<State>(State{std::move(dataset),
+                                             std::move(transform), options})) {
+    if (options.batch_size() == 0)
+      throw UsageError("Loader: batch_size must be at least 1");
+    if (options.workers() < 0)
+      throw UsageError(ddpkit::detail::cat("Loader: workers ", options.workers(),
+                                           " must be >= 0"));
+  }
+
+  /// Starts an epoch over `indices` (a sampler's `indices()`).
+  LoaderEpoch<Dataset, Transform> epoch(std::vector<std::size_t> indices,
+                                        std::size_t epoch) const {
+    return LoaderEpoch<Dataset, Transform>(state_, std::move(indices), epoch);
+  }
+
+  /// Batches in an epoch of `n` indices.
+  std::size_t num_batches(std::size_t n) const {
+    const auto bs = state_->options.batch_size();
+    return state_->options.drop_last() ? n / bs : (n + bs - 1) / bs;
+  }
+
+  /// Makes batch `batch_index` of `indices` synchronously: what a worker
+  /// runs.
+  Batch make_batch(const std::vector<std::size_t>& indices, std::size_t epoch,
+                   std::size_t batch_index) const {
+    return state_->make(indices, epoch, batch_index);
+  }
+
+  const Dataset& dataset() const { return state_->dataset; }
+  const LoaderOptions& options() const { return state_->options; }
+
+ private:
+  friend class LoaderEpoch<Dataset, Transform>;
+  struct State {
+    Dataset dataset;
+    Transform transform;
+    LoaderOptions options;
+
+    Batch make(const std::vector<std::size_t>& indices, std::size_t epoch,
+               std::size_t b) const {
+      const auto bs = options.batch_size();
+      const auto begin = b * bs;
+      const auto end = std::min(indices.size(), begin + bs);
+      std::vector<std::size_t> idx(indices.begin() + begin, indices.begin() + end);
+      auto gen = make_generator(batch_seed(options.seed(), epoch,
+                                           static_cast<std::uint64_t>(options.rank()), b));
+      auto [images, labels] = dataset.get(idx);
+      Batch out{transform(images, gen), labels};
+#ifdef DDPKIT_HAS_CUDA
+      if (options.pin_memory() && torch::cuda::is_available()) {
+        out.data = out.data.pin_memory();
+        out.target = out.target.pin_memory();
+      }
+#endif
+      return out;
+    }
+  };
+  std::shared_ptr<const State> state_;
+};
+
+template <class Dataset, class Transform>
+class LoaderEpoch {
+  using State = typename Loader<Dataset, Transform>::State;
+
+ public:
+  LoaderEpoch(std::shared_ptr<const State> state, std::vector<std::size_t> indices,
+              std::size_t epoch)
+      : shared_(std::make_unique<Shared>()) {
+    auto& s = *shared_;
+    s.state = std::move(state);
+    s.indices = std::move(indices);
+    s.epoch = epoch;
+    const auto bs = s.state->options.batch_size();
+    s.num_batches = s.state->options.drop_last()
+                        ? s.indices.size() / bs
+                        : (s.indices.size() + bs - 1) / bs;
+    for (int w = 0; w < s.state->options.workers(); ++w)
+      threads_.emplace_back([p = shared_.get()] { p->work(); });
+  }
+  LoaderEpoch(LoaderEpoch&&) noexcept = default;
+  LoaderEpoch& operator=(LoaderEpoch&&) = delete;
+  LoaderEpoch(const LoaderEpoch&) = delete;
+  ~LoaderEpoch() {
+    if (shared_) {
+      {
+        std::lock_guard lock(shared_->m);
+        shared_->stop = true;
+      }
+      shared_->work_cv.notify_all();
+    }
+    for (auto& t : threads_) t.join();
+  }
+
+  /// Batches in this epoch.
+  std::size_t size() const { return shared_->num_batches; }
+
+  /// The next batch in order, or nothing at the end of the epoch. A worker's
+  /// exception is rethrown here, on the consumer's thread.
+  std::optional<Batch> next() {
+    auto& s = *shared_;
+    if (s.given >= s.num_batches) return std::nullopt;
+    if (threads_.empty()) return s.state->make(s.indices, s.epoch, s.given++);
+    std::unique_lock lock(s.m);
+    s.ready_cv.wait(lock, [&] { return s.ready.count(s.given) > 0; });
+    auto node = s.ready.extract(s.given);
+    ++s.given;
+    lock.unlock();
+    s.work_cv.notify_all();
+    if (auto* err = std::get_if<std::exception_ptr>(&node.mapped()))
+      std::rethrow_exception(*err);
+    return std::get<Batch>(std::move(node.mapped()));
+  }
+
+  /// Input iteration: `for (Batch b : loader.epoch(...))`.
+  class iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    iterator() = default;
+    explicit iterator(LoaderEpoch* e) : e_(e) { ++*this; }
+    Batch& operator*() { return *cur_; }
+    iterator& operator++() {
+      cur_ = e_->next();
+      if (!cur_) e_ = nullptr;
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    bool operator==(const iterator& o) const { return e_ == o.e_; }
+
+   private:
+    LoaderEpoch* e_ = nullptr;
+    std::optional<Batch> cur_;
+  };
+  iterator begin() { return iterator(this); }
+  iterator end() { return iterator(); }
+
+ private:
+  struct Shared {
+    std::shared_ptr<const State> state;
+    std::vector<std::size_t> indices;
+    std::size_t epoch = 0;
+    std::size_t num_batches = 0;
+    std::mutex m;
+    std::condition_variable work_cv, ready_cv;
+    std::size_t claimed = 0;  // next batch a worker takes
+    std::size_t given = 0;    // next batch the consumer takes
+    std::map<std::size_t, std::variant<Batch, std::exception_ptr>> ready;
+    bool stop = false;
+
+    void work() {
+      const auto window = std::max<std::size_t>(1, state->options.prefetch());
+      for (;;) {
+        std::size_t b;
+        {
+          std::unique_lock lock(m);
+          work_cv.wait(lock, [&] {
+            return stop || claimed >= num_batches || claimed < given + window;
+          });
+          if (stop || claimed >= num_batches) return;
+          b = claimed++;
+        }
+        std::variant<Batch, std::exception_ptr> result;
+        try {
+          result = state->make(indices, epoch, b);
+        } catch (...) {
+          result = std::current_exception();
+        }
+        {
+          std::lock_guard lock(m);
+          ready.emplace(b, std::move(result));
+        }
+        ready_cv.notify_all();
+      }
+    }
+  };
+  std::unique_ptr<Shared> shared_;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace ddpkit::data

@@ -1,0 +1,160 @@
+#include "../support.hpp"
+
+#include <vector>
+
+#include "ddpkit/data.hpp"
+
+using namespace ddpkit::data;
+
+TEST_SUITE("data") {
+
+TEST_CASE("random_crop_flip matches a per-image crop and flip") {
+  auto x = torch::randint(0, 256, {6, 3, 32, 32}, torch::kUInt8);
+  auto gen = make_generator(1);
+  auto out = random_crop_flip(x, 32, 4, 0.5, gen);
+  CHECK(out.sizes() == x.sizes());
+  CHECK((out.scalar_type() == torch::kUInt8));
+  // Re-draw the same offsets and flips, then build the reference by hand.
+  auto g2 = make_generator(1);
+  auto oy = torch::randint(0, 9, {6}, g2, torch::kInt64);
+  auto ox = torch::randint(0, 9, {6}, g2, torch::kInt64);
+  auto flip = torch::rand({6}, g2) < 0.5;
+  auto padded = torch::constant_pad_nd(x, {4, 4, 4, 4}, 0);
+  for (int64_t i = 0; i < 6; ++i) {
+    auto ref = padded[i].narrow(1, oy[i].item<int64_t>(), 32).narrow(2, ox[i].item<int64_t>(), 32);
+    if (flip[i].item<bool>()) ref = ref.flip(2);
+    CHECK(torch::equal(out[i], ref));
+  }
+}
+
+TEST_CASE("CIFAR transforms: shapes, ranges, determinism") {
+  auto set = make_synthetic(SyntheticOptions(64).seed(2));
+  CifarTrain train;
+  CifarEval eval;
+  auto g1 = make_generator(9), g2 = make_generator(9), g3 = make_generator(10);
+  auto a = train(set.images, g1);
+  auto b = train(set.images, g2);
+  auto c = train(set.images, g3);
+  CHECK(a.sizes() == torch::IntArrayRef({64, 3, 32, 32}));
+  CHECK((a.scalar_type() == torch::kFloat));
+  CHECK(torch::equal(a, b));
+  CHECK_FALSE(torch::equal(a, c));
+  // Normalised [0, 1] values: within [-mean/std, (1-mean)/std].
+  CHECK(a.min().item<float>() >= -0.4914f / 0.2470f - 1e-4f);
+  CHECK(a.max().item<float>() <= (1 - 0.4822f) / 0.2435f + 1e-4f);
+
+  auto e = eval(set.images, g1);
+  auto ref = (set.images.to(torch::kFloat) / 255 -
+              torch::tensor({0.4914f, 0.4822f, 0.4465f}).view({1, 3, 1, 1})) /
+             torch::tensor({0.2470f, 0.2435f, 0.2616f}).view({1, 3, 1, 1});
+  CHECK(torch::allclose(e, ref, 1e-5, 1e-5));
+
+  SUBCASE("jitter with zero strength is the identity colour map") {
+    CifarTrainOptions o;
+    o.color_jitter(ColorJitterOptions().brightness(0).contrast(0).saturation(0).hue(0));
+    o.padding(0).flip(0.0);
+    auto g = make_generator(1);
+    auto z = CifarTrain{o}(set.images, g);
+    CHECK(torch::allclose(z, ref, 1e-4, 1e-4));
+  }
+  SUBCASE("brightness alone scales the image") {
+    CifarTrainOptions o;
+    o.color_jitter(ColorJitterOptions().brightness(0.5).contrast(0).saturation(0).hue(0));
+    o.padding(0).flip(0.0);
+    auto g = make_generator(1);
+    auto z = CifarTrain{o}(set.images, g);
+    auto raw = z * torch::tensor({0.2470f, 0.2435f, 0.2616f}).view({1, 3, 1, 1}) +
+               torch::tensor({0.4914f, 0.4822f, 0.4465f}).view({1, 3, 1, 1});
+    auto x = set.images.to(torch::kFloat) / 255;
+    // Per image, raw = clamp(b x): check on pixels far from saturation.
+    auto ratio = (raw / x.clamp_min(1e-3)).masked_fill(x < 0.1 | raw > 0.99, -1);
+    for (int64_t i = 0; i < 4; ++i) {
+      auto r = ratio[i].masked_select(ratio[i] > 0);
+      CHECK((r.max() - r.min()).item<float>() < 0.02f);
+      CHECK(r.mean().item<float>() >= 0.5f - 0.01f);
+      CHECK(r.mean().item<float>() <= 1.5f + 0.01f);
+    }
+  }
+}
+
+TEST_CASE("ImageNet transforms: sizes and determinism") {
+  std::vector<torch::Tensor> images{torch::randint(0, 256, {3, 60, 80}, torch::kUInt8),
+                                    torch::randint(0, 256, {3, 90, 50}, torch::kUInt8)};
+  ImageNetTrain train{ImageNetTrainOptions().size(48)};
+  ImageNetEval eval{48};
+  auto g1 = make_generator(3), g2 = make_generator(3);
+  auto a = train(images, g1), b = train(images, g2);
+  CHECK(a.sizes() == torch::IntArrayRef({2, 3, 48, 48}));
+  CHECK(torch::equal(a, b));
+  auto e = eval(images, g1);
+  CHECK(e.sizes() == torch::IntArrayRef({2, 3, 48, 48}));
+  CHECK(e.min().item<float>() >= -0.485f / 0.229f - 1e-3f);
+  CHECK(e.max().item<float>() <= (1 - 0.406f) / 0.225f + 1e-3f);
+
+  SUBCASE("crop boxes stay inside the image and follow the ratio bounds") {
+    auto u = torch::rand({200, 40}, g1);
+    for (int64_t k = 0; k < 200; ++k) {
+      auto box = random_resized_crop_box(60, 80, {0.08, 1.0}, {3.0 / 4, 4.0 / 3},
+                                         u[k].data_ptr<float>());
+      CHECK(box.top >= 0);
+      CHECK(box.left >= 0);
+      CHECK(box.top + box.height <= 60);
+      CHECK(box.left + box.width <= 80);
+    }
+  }
+}
+
+TEST_CASE("Loader batches are identical whatever the number of workers") {
+  auto set = make_synthetic(SyntheticOptions(203).seed(5));
+  RandomSampling sampler(set.size(), {.seed = 11});
+  sampler.set_epoch(2);
+  auto collect = [&](int workers) {
+    Loader loader(set, CifarTrain{}, LoaderOptions(32).workers(workers).seed(7).prefetch(2));
+    std::vector<Batch> out;
+    for (Batch b : loader.epoch(sampler.indices(), 2)) out.push_back(b);
+    return out;
+  };
+  auto one = collect(1), three = collect(3), inline_ = collect(0);
+  REQUIRE(one.size() == 7);
+  REQUIRE(three.size() == 7);
+  REQUIRE(inline_.size() == 7);
+  for (size_t i = 0; i < one.size(); ++i) {
+    CHECK(torch::equal(one[i].data, three[i].data));
+    CHECK(torch::equal(one[i].data, inline_[i].data));
+    CHECK(torch::equal(one[i].target, three[i].target));
+  }
+  CHECK(one.back().data.size(0) == 203 - 6 * 32);
+  CHECK(one[0].data.sizes() == torch::IntArrayRef({32, 3, 32, 32}));
+  // Targets follow the sampler's order.
+  CHECK(one[0].target[0].item<int64_t>() == set.labels[sampler.indices()[0]].item<int64_t>());
+
+  SUBCASE("rank and epoch change the augmentation, drop_last drops the tail") {
+    Loader l0(set, CifarTrain{}, LoaderOptions(32).workers(2).seed(7).rank(0).drop_last(true));
+    Loader l1(set, CifarTrain{}, LoaderOptions(32).workers(2).seed(7).rank(1));
+    auto e0 = l0.epoch(sampler.indices(), 2);
+    CHECK(e0.size() == 6);
+    auto b0 = *e0.next();
+    auto b1 = *l1.epoch(sampler.indices(), 2).next();
+    CHECK(torch::equal(b0.target, b1.target));
+    CHECK_FALSE(torch::equal(b0.data, b1.data));
+    CHECK(torch::equal(b0.data, one[0].data));
+  }
+  SUBCASE("an exception in a worker reaches the consumer") {
+    struct Bad {
+      size_t size() const { return 10; }
+      std::pair<torch::Tensor, torch::Tensor> get(const std::vector<size_t>&) const {
+        throw ddpkit::UsageError("broken sample");
+      }
+    };
+    Loader loader(Bad{}, CifarEval{}, LoaderOptions(4).workers(2));
+    auto epoch = loader.epoch({0, 1, 2, 3, 4}, 0);
+    CHECK_THROWS_WITH_AS(epoch.next(), "broken sample", ddpkit::UsageError);
+  }
+  SUBCASE("abandoning an epoch midway stops its workers") {
+    Loader loader(set, CifarTrain{}, LoaderOptions(8).workers(3).prefetch(2));
+    auto epoch = loader.epoch(sampler.indices(), 0);
+    CHECK(epoch.next().has_value());
+  }
+}
+
+}  // TEST_SUITE("data")
