@@ -1,0 +1,261 @@
+// ddpkit's BatchNorm2d: state-dict compatible with torch::nn::BatchNorm2d,
+// and able to synchronise its training statistics across ranks once a
+// process group is attached (SyncBatchNorm). Statistics and their gradient
+// terms are computed here, so it works on CPU (gloo) as well as CUDA.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/concepts.hpp"
+#include "ddpkit/detail/error.hpp"
+#include "ddpkit/dist/collectives.hpp"
+
+namespace ddpkit::nn {
+
+namespace detail {
+
+/// Per-channel dims of an N×C×... input: every dim but 1.
+inline std::vector<int64_t> reduce_dims(const torch::Tensor& x) {
+  std::vector<int64_t> dims{0};
+  for (int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+  return dims;
+}
+
+inline torch::Tensor per_channel(const torch::Tensor& v, int64_t dim) {
+  std::vector<int64_t> shape(static_cast<std::size_t>(dim), 1);
+  shape[1] = v.size(0);
+  return v.view(shape);
+}
+
+/// Synchronised batch norm over the ranks of a group. Statistics are merged
+/// from each rank's (count, mean, M2), so ranks with different batch sizes
+/// give exactly the statistics of the concatenated batch.
+struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
+                               torch::Tensor x, torch::Tensor weight,
+                               torch::Tensor bias, torch::Tensor running_mean,
+                               torch::Tensor running_var, double eps,
+                               double momentum, int64_t group_handle) {
+    const auto& g = *reinterpret_cast<const dist::Group*>(group_handle);
+    const auto dims = reduce_dims(x);
+    const int64_t C = x.size(1);
+    const double local_n = static_cast<double>(x.numel() / C);
+    auto xd = x.to(torch::kFloat64);
+    auto local_mean = local_n > 0 ? xd.mean(dims)
+                                  : torch::zeros({C}, xd.options());
+    auto local_m2 =
+        local_n > 0
+            ? (xd - per_channel(local_mean, x.dim())).pow(2).sum(dims)
+            : torch::zeros({C}, xd.options());
+    // [count, mean(C), M2(C)] per rank.
+    auto packed = torch::cat({torch::full({1}, local_n, xd.options()),
+                              local_mean, local_m2})
+                      .to(g.device());
+    auto all = torch::stack(dist::all_gather(g, packed)).to(x.device());
+    auto counts = all.select(1, 0);                  // [W]
+    auto means = all.narrow(1, 1, C);                // [W, C]
+    auto m2s = all.narrow(1, 1 + C, C);              // [W, C]
+    const double total = counts.sum().item<double>();
+    if (total <= 1) {
+      throw Error("SyncBatchNorm: expected more than one value per channel "
+                  "across all ranks in training mode");
+    }
+    auto w = counts.unsqueeze(1);
+    auto mean = (means * w).sum(0) / total;
+    auto m2 = (m2s + w * (means - mean).pow(2)).sum(0);
+    auto var = m2 / total;  // biased, for normalisation
+    auto invstd = (var + eps).rsqrt();
+    if (running_mean.defined()) {
+      torch::NoGradGuard no_grad;
+      running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype()),
+                                           momentum);
+      running_var.mul_(1 - momentum)
+          .add_((m2 / (total - 1)).to(running_var.dtype()), momentum);
+    }
+    auto mean_f = per_channel(mean, x.dim()).to(x.dtype());
+    auto invstd_f = per_channel(invstd, x.dim()).to(x.dtype());
+    auto xhat = (x - mean_f) * invstd_f;
+    auto y = xhat;
+    if (weight.defined()) y = y * per_channel(weight, x.dim());
+    if (bias.defined()) y = y + per_channel(bias, x.dim());
+    ctx->save_for_backward({x, weight, mean, invstd});
+    ctx->saved_data["group"] = group_handle;
+    ctx->saved_data["total"] = total;
+    ctx->saved_data["has_bias"] = bias.defined();
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto x = saved[0], weight = saved[1], mean = saved[2], invstd = saved[3];
+    const auto& g = *reinterpret_cast<const dist::Group*>(
+        ctx->saved_data["group"].toInt());
+    const double total = ctx->saved_data["total"].toDouble();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    auto dy = grads[0].to(torch::kFloat64);
+    const auto dims = reduce_dims(x);
+    const int64_t C = x.size(1);
+    auto xmu = x.to(torch::kFloat64) - per_channel(mean, x.dim());
+    auto sum_dy = dy.sum(dims);
+    auto sum_dy_xmu = (dy * xmu).sum(dims);
+    // Weight and bias gradients stay local: DDP averages them like any
+    // other parameter.
+    torch::Tensor grad_weight, grad_bias;
+    if (weight.defined()) {
+      grad_weight = (sum_dy_xmu * invstd).to(weight.dtype());
+    }
+    if (has_bias) grad_bias = sum_dy.to(x.dtype());
+    auto both = torch::cat({sum_dy, sum_dy_xmu}).to(g.device());
+    dist::all_reduce(g, both);
+    both = both.to(x.device());
+    auto mean_dy = both.narrow(0, 0, C) / total;
+    auto mean_dy_xmu = both.narrow(0, C, C) / total;
+    auto scale = weight.defined() ? invstd * weight.to(torch::kFloat64) : invstd;
+    auto dx = (dy - per_channel(mean_dy, x.dim()) -
+               xmu * per_channel(invstd * invstd * mean_dy_xmu, x.dim())) *
+              per_channel(scale, x.dim());
+    return {dx.to(x.dtype()), grad_weight, grad_bias, torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace detail
+
+/// Batch norm over N×C×H×W inputs with torch::nn::BatchNorm2d's parameters
+/// and buffers (weight, bias, running_mean, running_var,
+/// num_batches_tracked), so state dicts are interchangeable. Plain batch
+/// norm until `set_sync_group` attaches a group of more than one rank; then
+/// training statistics are global across ranks (SyncBatchNorm). Evaluation
+/// always uses the running statistics.
+///
+/// Example:
+/// ```
+/// ddpkit::nn::BatchNorm2d bn(64);
+/// bn->set_sync_group(group);   // now a SyncBatchNorm
+/// auto y = bn(x);              // statistics over every rank's batch
+/// ```
+class BatchNorm2dImpl : public torch::nn::Cloneable<BatchNorm2dImpl> {
+ public:
+  explicit BatchNorm2dImpl(int64_t num_features)
+      : BatchNorm2dImpl(torch::nn::BatchNormOptions(num_features)) {}
+  explicit BatchNorm2dImpl(torch::nn::BatchNormOptions options)
+      : options(std::move(options)) {
+    reset();
+  }
+
+  void reset() override {
+    const auto c = options.num_features();
+    if (options.affine()) {
+      weight = register_parameter("weight", torch::ones({c}));
+      bias = register_parameter("bias", torch::zeros({c}));
+    } else {
+      weight = register_parameter("weight", torch::Tensor(), false);
+      bias = register_parameter("bias", torch::Tensor(), false);
+    }
+    if (options.track_running_stats()) {
+      running_mean = register_buffer("running_mean", torch::zeros({c}));
+      running_var = register_buffer("running_var", torch::ones({c}));
+      num_batches_tracked =
+          register_buffer("num_batches_tracked", torch::tensor(0, torch::kLong));
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (x.dim() < 2 || x.size(1) != options.num_features()) {
+      throw Error(ddpkit::detail::cat(
+          "BatchNorm2d: expected input with ", options.num_features(),
+          " channels in dim 1, got shape ", c10::str(x.sizes())));
+    }
+    double momentum = options.momentum().value_or(0.1);
+    if (is_training() && options.track_running_stats()) {
+      num_batches_tracked.add_(1);
+      if (!options.momentum()) {
+        momentum = 1.0 / static_cast<double>(num_batches_tracked.item<int64_t>());
+      }
+    }
+    const bool use_batch_stats = is_training() || !options.track_running_stats();
+    if (use_batch_stats && group_ && group_->size() > 1) {
+      return detail::SyncBNFunction::apply(
+          x, weight, bias, running_mean, running_var, options.eps(), momentum,
+          reinterpret_cast<int64_t>(&*group_));
+    }
+    return torch::batch_norm(x, weight, bias, running_mean, running_var,
+                             use_batch_stats, momentum, options.eps(),
+                             /*cudnn_enabled=*/true);
+  }
+
+  /// Attaches (or, with nullopt, detaches) the group whose ranks share
+  /// training statistics.
+  void set_sync_group(std::optional<dist::Group> group) {
+    group_ = std::move(group);
+  }
+  bool is_synchronized() const { return group_ && group_->size() > 1; }
+
+  void pretty_print(std::ostream& os) const override {
+    os << (is_synchronized() ? "ddpkit::nn::SyncBatchNorm(" :
+                               "ddpkit::nn::BatchNorm2d(")
+       << options.num_features() << ", eps=" << options.eps() << ")";
+  }
+
+  torch::nn::BatchNormOptions options;
+  torch::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+
+ private:
+  std::optional<dist::Group> group_;
+};
+TORCH_MODULE(BatchNorm2d);
+
+/// A BatchNorm2d that is meant to be synchronised (the same type; the name
+/// says the intent).
+using SyncBatchNorm = BatchNorm2d;
+
+/// Makes every ddpkit BatchNorm2d in `module`'s tree a SyncBatchNorm over
+/// `group` (state is kept: it is the same module). Like PyTorch's
+/// `convert_sync_batchnorm`. A `torch::nn::BatchNorm2d` in the tree is an
+/// error naming it: libtorch cannot swap a module that a parent holds in a
+/// field, so build models with `ddpkit::nn::BatchNorm2d` (same state dict).
+/// Returns how many layers were converted.
+inline int convert_sync_batchnorm(torch::nn::Module& module,
+                                  const dist::Group& group) {
+  int converted = 0;
+  for (auto& item : module.named_modules()) {
+    if (auto* bn = dynamic_cast<BatchNorm2dImpl*>(item.value().get())) {
+      bn->set_sync_group(group);
+      ++converted;
+    } else if (dynamic_cast<torch::nn::BatchNorm2dImpl*>(item.value().get())) {
+      throw UsageError(ddpkit::detail::cat(
+          "convert_sync_batchnorm: module '", item.key(),
+          "' is a torch::nn::BatchNorm2d; use ddpkit::nn::BatchNorm2d (same "
+          "parameters and state dict) so it can be synchronised"));
+    }
+  }
+  return converted;
+}
+
+/// Batch norm stays per process.
+struct PlainBN {
+  using bn_concept = bn_tag;
+  static constexpr bool is_synchronized = false;
+  static constexpr const char* name = "bn";
+  static int apply(torch::nn::Module&, const dist::Group&) { return 0; }
+};
+
+/// Batch-norm statistics are shared by every rank (needs a multi-process
+/// parallel policy).
+struct SyncBN {
+  using bn_concept = bn_tag;
+  static constexpr bool is_synchronized = true;
+  static constexpr const char* name = "syncbn";
+  static int apply(torch::nn::Module& m, const dist::Group& g) {
+    return convert_sync_batchnorm(m, g);
+  }
+};
+
+}  // namespace ddpkit::nn

@@ -1,0 +1,12 @@
+// The parallel engine: SingleDevice, DataParallel and DDP policies, the DDP
+// gradient reducer and its communication strategies, SyncBatchNorm.
+#pragma once
+
+#include "ddpkit/nn/batch_norm.hpp"
+#include "ddpkit/parallel/data_parallel.hpp"
+#include "ddpkit/parallel/ddp.hpp"
+#include "ddpkit/parallel/grad_comm.hpp"
+#include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/parallel/reducer.hpp"
+#include "ddpkit/parallel/single_device.hpp"
+#include "ddpkit/parallel/trace.hpp"

@@ -1,0 +1,157 @@
+// DDP: one process per device. At construction the model's structure is
+// checked across ranks and rank 0's parameters and buffers are broadcast;
+// during backward the reducer averages gradients bucket by bucket.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/concepts.hpp"
+#include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/parallel/grad_comm.hpp"
+#include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/parallel/reducer.hpp"
+#include "ddpkit/parallel/single_device.hpp"
+#include "ddpkit/parallel/trace.hpp"
+
+namespace ddpkit::parallel {
+
+/// DDP settings (PyTorch's DistributedDataParallel arguments).
+struct DDPOptions {
+  TORCH_ARG(ReducerOptions, reducer) = {};
+  /// Broadcast rank 0's buffers (e.g. BatchNorm running stats) before every
+  /// forward in training mode.
+  TORCH_ARG(bool, broadcast_buffers) = false;
+  /// Write per-step timings (forward, backward, each bucket's all-reduce, the
+  /// wait) as a Chrome trace to this path; `{rank}` is replaced by the rank.
+  TORCH_ARG(std::string, trace_path) = "";
+};
+
+/// One process per device; gradients averaged across processes with
+/// `Comm` (AllReduceMean, Fp16Compression, Bf16Compression, or your own).
+template <class Comm = AllReduceMean>
+struct BasicDDP {
+  using parallel_concept = parallel_tag;
+  static constexpr bool is_multi_process = true;
+  static constexpr bool is_multi_replica = false;
+  static constexpr const char* name = "ddp";
+  using options_type = DDPOptions;
+  using comm_type = Comm;
+
+  template <class Model>
+  class engine {
+   public:
+    engine(Model model, dist::Group group, options_type opts,
+           torch::Device device)
+        : model_(std::move(model)),
+          group_(std::move(group)),
+          opts_(std::move(opts)),
+          device_(device) {
+      auto& m = as_module(model_);
+      m.to(device_);
+      verify_same_structure(group_, m);
+      // Ranks that initialised differently start identical.
+      std::vector<torch::Tensor> state;
+      for (auto& p : m.parameters()) state.push_back(p);
+      for (auto& b : m.buffers()) state.push_back(b);
+      broadcast_coalesced(group_, state, 0);
+      if (!opts_.trace_path().empty()) {
+        std::string path = opts_.trace_path();
+        auto at = path.find("{rank}");
+        if (at != std::string::npos) {
+          path.replace(at, 6, std::to_string(group_.rank()));
+        }
+        trace_ = std::make_unique<Trace>(path, group_.rank());
+      }
+      std::vector<torch::Tensor> params;
+      std::vector<std::string> names;
+      for (auto& p : m.named_parameters()) {
+        names.push_back(p.key());
+        params.push_back(p.value());
+      }
+      if (group_.size() > 1) {
+        reducer_ = std::make_unique<Reducer<Comm>>(
+            params, names, group_, opts_.reducer(), trace_.get());
+      }
+    }
+
+    ~engine() {
+      if (trace_) {
+        try {
+          trace_->flush();
+        } catch (...) {
+        }
+      }
+    }
+
+    Model& module() { return model_; }
+    torch::Device device() const { return device_; }
+    const dist::Group& group() const { return group_; }
+    Reducer<Comm>* reducer() { return reducer_.get(); }
+    Trace* trace() { return trace_.get(); }
+
+    torch::Tensor forward(const torch::Tensor& x) {
+      if (opts_.broadcast_buffers() && as_module(model_).is_training()) {
+        broadcast_coalesced(group_, as_module(model_).buffers(), 0);
+      }
+      return model_->forward(x);
+    }
+
+    template <class LossFn>
+    StepOutput forward_backward(const torch::Tensor& x, const torch::Tensor& y,
+                                LossFn&& loss_fn) {
+      torch::Tensor out, loss;
+      {
+        Trace::Span span(*trace_or_null(), "forward");
+        out = forward(x);
+        loss = loss_fn(out, y);
+      }
+      {
+        Trace::Span span(*trace_or_null(), "backward + reduce");
+        loss.backward();
+      }
+      return {loss.detach(), out.detach()};
+    }
+
+    /// Gradient accumulation: backward inside this scope does not
+    /// communicate; the next synced backward averages the accumulated sum.
+    class NoSync {
+     public:
+      explicit NoSync(Reducer<Comm>* r) {
+        if (r) guard_.emplace(*r);
+      }
+
+     private:
+      std::optional<typename Reducer<Comm>::NoSyncGuard> guard_;
+    };
+    [[nodiscard]] NoSync no_sync() { return NoSync(reducer_.get()); }
+
+    double last_wait_seconds() const {
+      return reducer_ ? reducer_->last_wait_seconds() : 0.0;
+    }
+
+   private:
+    Trace* trace_or_null() { return trace_ ? trace_.get() : &null_trace_; }
+
+    Model model_;
+    dist::Group group_;
+    options_type opts_;
+    torch::Device device_;
+    std::unique_ptr<Trace> trace_;
+    Trace null_trace_;
+    std::unique_ptr<Reducer<Comm>> reducer_;
+  };
+};
+
+/// Plain DDP (all-reduce mean in float32).
+using DDP = BasicDDP<AllReduceMean>;
+/// DDP with gradients sent as fp16.
+using DDPFp16 = BasicDDP<Fp16Compression>;
+/// DDP with gradients sent as bf16.
+using DDPBf16 = BasicDDP<Bf16Compression>;
+
+}  // namespace ddpkit::parallel

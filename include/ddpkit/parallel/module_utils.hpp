@@ -1,0 +1,99 @@
+// Small helpers over libtorch modules used by every parallel policy:
+// consistent flat views of parameters/buffers, and coalesced broadcast.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/dist/collectives.hpp"
+
+namespace ddpkit::parallel {
+
+/// The module behind a holder (`ResNet34`) or a `std::shared_ptr<Module>`.
+template <class Model>
+torch::nn::Module& as_module(Model& model) {
+  return *model;
+}
+
+/// Broadcasts `tensors` from `src`, coalesced into one flat buffer per dtype
+/// (one collective instead of hundreds).
+inline void broadcast_coalesced(const dist::Group& g,
+                                std::vector<torch::Tensor> tensors,
+                                int src = 0) {
+  if (g.size() == 1 || tensors.empty()) return;
+  torch::NoGradGuard no_grad;
+  std::vector<c10::ScalarType> kinds;
+  for (auto& t : tensors) {
+    if (std::find(kinds.begin(), kinds.end(), t.scalar_type()) == kinds.end())
+      kinds.push_back(t.scalar_type());
+  }
+  for (auto kind : kinds) {
+    std::vector<torch::Tensor> group;
+    for (auto& t : tensors) {
+      if (t.scalar_type() == kind) group.push_back(t);
+    }
+    std::vector<torch::Tensor> flat_parts;
+    for (auto& t : group) flat_parts.push_back(t.detach().reshape({-1}).to(g.device()));
+    auto flat = torch::cat(flat_parts);
+    dist::broadcast(g, flat, src);
+    int64_t off = 0;
+    for (auto& t : group) {
+      t.copy_(flat.narrow(0, off, t.numel()).view_as(t));
+      off += t.numel();
+    }
+  }
+}
+
+/// "name:shape" of every parameter and buffer, in order.
+inline std::string shape_signature(torch::nn::Module& m,
+                                   std::vector<std::string>* lines = nullptr) {
+  std::string sig;
+  auto add = [&](const std::string& kind, const std::string& name,
+                 const torch::Tensor& t) {
+    std::string line = kind + " " + name + " " + c10::str(t.sizes()) + " " +
+                       std::string(c10::toString(t.scalar_type()));
+    if (lines) lines->push_back(line);
+    sig += line + "\n";
+  };
+  for (auto& p : m.named_parameters()) add("parameter", p.key(), p.value());
+  for (auto& b : m.named_buffers()) add("buffer", b.key(), b.value());
+  return sig;
+}
+
+/// Checks that every rank holds a model of the same structure; on mismatch
+/// every rank throws naming the first differing entry (no rank is left
+/// waiting in a later collective).
+inline void verify_same_structure(const dist::Group& g, torch::nn::Module& m) {
+  if (g.size() == 1) return;
+  std::vector<std::string> mine;
+  shape_signature(m, &mine);
+  std::string reference = dist::broadcast_string(g, shape_signature(m), 0);
+  std::vector<std::string> ref_lines;
+  for (std::size_t s = 0, e; s < reference.size(); s = e + 1) {
+    e = reference.find('\n', s);
+    ref_lines.push_back(reference.substr(s, e - s));
+  }
+  std::string problem;
+  for (std::size_t i = 0; i < std::max(mine.size(), ref_lines.size()); ++i) {
+    std::string a = i < mine.size() ? mine[i] : "(nothing)";
+    std::string b = i < ref_lines.size() ? ref_lines[i] : "(nothing)";
+    if (a != b) {
+      problem = ddpkit::detail::cat("entry ", i, ": rank ", g.rank(), " has '",
+                                    a, "' but rank 0 has '", b, "'");
+      break;
+    }
+  }
+  auto bad = dist::all_gather_value(g, problem.empty() ? 0 : 1);
+  int first_bad = -1;
+  for (int r = 0; r < g.size(); ++r) {
+    if (bad[r] && first_bad < 0) first_bad = r;
+  }
+  if (first_bad < 0) return;
+  std::string msg = dist::broadcast_string(g, problem, first_bad);
+  throw DistError("DDP: the model differs across ranks; " + msg);
+}
+
+}  // namespace ddpkit::parallel

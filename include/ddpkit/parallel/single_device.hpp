@@ -1,0 +1,72 @@
+// SingleDevice: the model on one device, no communication. It is also the
+// reference parallel policy: copy it to write your own.
+#pragma once
+
+#include <utility>
+
+#include <torch/torch.h>
+
+#include "ddpkit/concepts.hpp"
+#include "ddpkit/dist/process_group.hpp"
+#include "ddpkit/parallel/module_utils.hpp"
+
+namespace ddpkit::parallel {
+
+/// What one training step returns: the batch's mean loss and the model's
+/// outputs, both detached.
+struct StepOutput {
+  torch::Tensor loss;
+  torch::Tensor output;
+};
+
+/// Options every parallel policy understands; a policy may extend them.
+struct SingleDeviceOptions {};
+
+/// The model on one device.
+///
+/// A parallel policy is a class with `parallel_concept = parallel_tag`,
+/// `is_multi_process`, `is_multi_replica`, an `options_type`, and a nested
+/// `engine<Model>` with: a constructor `(Model, dist::Group, options_type,
+/// torch::Device)`, `module()`, `forward(x)`, `forward_backward(x, y,
+/// loss_fn)` returning `StepOutput`, `no_sync()` and `last_wait_seconds()`.
+struct SingleDevice {
+  using parallel_concept = parallel_tag;
+  static constexpr bool is_multi_process = false;
+  static constexpr bool is_multi_replica = false;
+  static constexpr const char* name = "single";
+  using options_type = SingleDeviceOptions;
+
+  template <class Model>
+  class engine {
+   public:
+    engine(Model model, dist::Group, options_type, torch::Device device)
+        : model_(std::move(model)), device_(device) {
+      as_module(model_).to(device_);
+    }
+
+    Model& module() { return model_; }
+    torch::Device device() const { return device_; }
+
+    torch::Tensor forward(const torch::Tensor& x) { return model_->forward(x); }
+
+    template <class LossFn>
+    StepOutput forward_backward(const torch::Tensor& x, const torch::Tensor& y,
+                                LossFn&& loss_fn) {
+      auto out = model_->forward(x);
+      auto loss = loss_fn(out, y);
+      loss.backward();
+      return {loss.detach(), out.detach()};
+    }
+
+    /// Nothing to skip on one device.
+    struct NoSync {};
+    [[nodiscard]] NoSync no_sync() { return {}; }
+    double last_wait_seconds() const { return 0; }
+
+   private:
+    Model model_;
+    torch::Device device_;
+  };
+};
+
+}  // namespace ddpkit::parallel

@@ -1,0 +1,85 @@
+// Small deterministic models and data for the parallel-engine tests.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "ddpkit/nn/batch_norm.hpp"
+
+namespace ddpkit::test {
+
+/// conv(3→8) [BN] relu conv(8→8) relu avgpool fc(8→5): small but with every
+/// kind of layer the reducer has to handle.
+struct SmallNetImpl : torch::nn::Cloneable<SmallNetImpl> {
+  explicit SmallNetImpl(bool with_bn = false, bool with_unused = false)
+      : with_bn(with_bn), with_unused(with_unused) {
+    reset();
+  }
+  void reset() override {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+    if (with_bn) bn1 = register_module("bn1", ddpkit::nn::BatchNorm2d(8));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)));
+    if (with_bn) bn2 = register_module("bn2", ddpkit::nn::BatchNorm2d(8));
+    fc = register_module("fc", torch::nn::Linear(8, 5));
+    if (with_unused) unused = register_module("unused", torch::nn::Linear(5, 5));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = conv1(x);
+    if (with_bn) x = bn1(x);
+    x = torch::relu(x);
+    x = conv2(x);
+    if (with_bn) x = bn2(x);
+    x = torch::relu(x);
+    x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+    return fc(x);
+  }
+  bool with_bn, with_unused;
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  ddpkit::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  torch::nn::Linear fc{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(SmallNet);
+
+inline SmallNet make_net(uint64_t seed, bool bn = false, bool unused = false) {
+  torch::manual_seed(seed);
+  return SmallNet(bn, unused);
+}
+
+/// The whole (global) batch of step `step`.
+inline std::pair<torch::Tensor, torch::Tensor> global_batch(int step,
+                                                            int64_t n) {
+  auto gen = at::detail::createCPUGenerator(1000 + step);
+  auto x = torch::randn({n, 3, 8, 8}, gen);
+  auto y = torch::randint(0, 5, {n}, gen, torch::kLong);
+  return {x, y};
+}
+
+inline torch::Tensor ce_loss(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+inline torch::optim::SGD make_sgd(torch::nn::Module& m) {
+  return torch::optim::SGD(m.parameters(),
+                           torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+/// Largest |a-b| over largest |b| (0 when b is all zero and a equals it).
+inline double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  auto d = (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+  auto s = b.to(torch::kFloat64).abs().max().item<double>();
+  return s > 0 ? d / s : d;
+}
+
+/// The worst rel_diff over a module's parameters and buffers.
+inline double max_state_diff(torch::nn::Module& a, torch::nn::Module& b) {
+  double worst = 0;
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  for (auto& p : pa) worst = std::max(worst, rel_diff(p.value(), pb[p.key()]));
+  auto ba = a.named_buffers(), bb = b.named_buffers();
+  for (auto& p : ba) {
+    if (p.value().is_floating_point())
+      worst = std::max(worst, rel_diff(p.value(), bb[p.key()]));
+  }
+  return worst;
+}
+
+}  // namespace ddpkit::test

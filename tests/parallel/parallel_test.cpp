@@ -1,0 +1,337 @@
+// The parallel engine against single-process references, with real
+// processes over gloo on loopback.
+#include <cstdlib>
+#include <fstream>
+
+#include "../support.hpp"
+#include "ddpkit/parallel.hpp"
+#include "nets.hpp"
+
+using namespace ddpkit;
+using ddpkit::test::run_workers;
+using ddpkit::test::TempDir;
+
+namespace {
+
+constexpr int kSteps = 5;
+constexpr int64_t kPerRank = 4;
+
+std::string env_or(const char* name, const char* dflt) {
+  const char* v = std::getenv(name);
+  return v ? v : dflt;
+}
+
+/// Single process, batch world·B, the same samples and steps. With
+/// `accumulate`, each step is one on the joined two micro-batches.
+test::SmallNet reference(int world, bool bn, int64_t per_rank = kPerRank) {
+  auto net = test::make_net(100, bn);
+  auto opt = test::make_sgd(*net);
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = test::global_batch(s, world * per_rank);
+    opt.zero_grad();
+    test::ce_loss(net->forward(x), y).backward();
+    opt.step();
+  }
+  return net;
+}
+
+template <class Policy>
+int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
+  auto g = test::worker_group();
+  const int r = g.rank(), w = g.size();
+  // Each rank starts from a different init: DDP must make them identical.
+  auto net = test::make_net(100 + r, bn);
+  if (bn) nn::SyncBN::apply(*net, g);
+  typename Policy::template engine<test::SmallNet> eng(net, g, opts,
+                                                      torch::kCPU);
+  // Check the broadcast: every rank now holds rank 0's (seed 100) weights.
+  auto fresh = test::make_net(100, bn);
+  if (test::max_state_diff(*net, *fresh) != 0) {
+    std::fprintf(stderr, "rank %d: not identical after construction\n", r);
+    return 10;
+  }
+  auto opt = test::make_sgd(*net);
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = test::global_batch(s, w * kPerRank);
+    auto xr = x.narrow(0, r * kPerRank, kPerRank);
+    auto yr = y.narrow(0, r * kPerRank, kPerRank);
+    opt.zero_grad();
+    if (nosync) {
+      // Two micro-batches of half the rank's batch; the loss of each is
+      // halved so the accumulated gradient is the joined batch's mean.
+      auto half = kPerRank / 2;
+      auto loss_half = [](const torch::Tensor& o, const torch::Tensor& t) {
+        return test::ce_loss(o, t) / 2;
+      };
+      {
+        auto guard = eng.no_sync();
+        eng.forward_backward(xr.narrow(0, 0, half), yr.narrow(0, 0, half),
+                             loss_half);
+      }
+      eng.forward_backward(xr.narrow(0, half, half), yr.narrow(0, half, half),
+                           loss_half);
+    } else {
+      eng.forward_backward(xr, yr, test::ce_loss);
+    }
+    opt.step();
+  }
+  torch::save(net, (test::worker_dir() / ("net" + std::to_string(r) + ".pt")).string());
+  return 0;
+}
+
+test::SmallNet load_net(const std::filesystem::path& p, bool bn) {
+  auto net = test::make_net(0, bn);
+  torch::load(net, p.string());
+  return net;
+}
+
+}  // namespace
+
+DDPKIT_WORKER(ddp_train) {
+  bool bn = env_or("T_BN", "0") == "1";
+  bool nosync = env_or("T_NOSYNC", "0") == "1";
+  auto comm = env_or("T_COMM", "mean");
+  parallel::DDPOptions opts;
+  opts.reducer().bucket_cap_bytes(std::stoll(env_or("T_BUCKET", "26214400")));
+  opts.reducer().first_bucket_cap_bytes(
+      std::min<int64_t>(opts.reducer().bucket_cap_bytes(), 1 << 20));
+  opts.trace_path(env_or("T_TRACE", ""));
+  if (comm == "fp16") return train_ddp_worker<parallel::DDPFp16>(opts, bn, nosync);
+  if (comm == "bf16") return train_ddp_worker<parallel::DDPBf16>(opts, bn, nosync);
+  return train_ddp_worker<parallel::DDP>(opts, bn, nosync);
+}
+
+DDPKIT_WORKER(syncbn_unequal) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  // Rank 0 holds 3 samples, rank 1 holds 5: statistics must come from all 8.
+  auto gen = at::detail::createCPUGenerator(7);
+  auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
+  auto wts = torch::randn({8, 4, 3, 3}, gen);
+  int64_t start = r == 0 ? 0 : 3, len = r == 0 ? 3 : 5;
+  auto x = x_all.narrow(0, start, len).clone().requires_grad_(true);
+  torch::manual_seed(3);
+  nn::BatchNorm2d bn(4);
+  bn->weight.data().uniform_(0.5, 1.5);
+  bn->bias.data().uniform_(-0.5, 0.5);
+  nn::convert_sync_batchnorm(*bn, g);
+  auto y = bn(x);
+  // The global loss is the sum over ranks of each rank's part.
+  (y * wts.narrow(0, start, len)).sum().backward();
+  auto dir = test::worker_dir();
+  auto tag = std::to_string(r);
+  test::save_tensor(y.detach(), dir / ("y" + tag + ".pt"));
+  test::save_tensor(x.grad(), dir / ("dx" + tag + ".pt"));
+  test::save_tensor(bn->running_mean, dir / ("rm" + tag + ".pt"));
+  test::save_tensor(bn->running_var, dir / ("rv" + tag + ".pt"));
+  return 0;
+}
+
+DDPKIT_WORKER(unused_params) {
+  auto g = test::worker_group();
+  bool find = env_or("T_FIND", "0") == "1";
+  auto net = test::make_net(5, false, /*unused=*/true);
+  parallel::DDPOptions opts;
+  opts.reducer().find_unused_parameters(find);
+  parallel::DDP::engine<test::SmallNet> eng(net, g, opts, torch::kCPU);
+  auto [x, y] = test::global_batch(0, 4);
+  try {
+    eng.forward_backward(x, y, test::ce_loss);
+  } catch (const std::exception& e) {
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank()))) << e.what();
+    return 5;
+  }
+  // Used parameters got averaged gradients; the unused one none or zero.
+  bool ok = net->fc->weight.grad().defined() &&
+            (!net->unused->weight.grad().defined() ||
+             net->unused->weight.grad().abs().sum().item<double>() == 0);
+  return ok ? 0 : 6;
+}
+
+DDPKIT_WORKER(mismatched_models) {
+  auto g = test::worker_group();
+  // Rank 1 builds the model with BatchNorm, rank 0 without.
+  auto net = test::make_net(5, g.rank() == 1);
+  try {
+    parallel::DDP::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
+  } catch (const DistError& e) {
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank()))) << e.what();
+    return 7;
+  }
+  return 0;
+}
+
+TEST_SUITE("parallel") {
+
+TEST_CASE("DDP equals one process on the joined batch") {
+  for (bool bn : {false, true}) {
+    for (int world : {2, 4}) {
+      CAPTURE(bn);
+      CAPTURE(world);
+      TempDir dir;
+      auto res = run_workers("ddp_train", world, dir.str(),
+                             {{"T_BN", bn ? "1" : "0"}});
+      REQUIRE(res.ok());
+      auto ref = reference(world, bn);
+      for (int r = 0; r < world; ++r) {
+        auto net = load_net(dir / ("net" + std::to_string(r) + ".pt"), bn);
+        double d = test::max_state_diff(*net, *ref);
+        MESSAGE("world ", world, std::string(bn ? " SyncBN" : ""), " rank ", r,
+                ": max relative difference ", d);
+        CHECK(d <= 1e-5);
+      }
+    }
+  }
+}
+
+TEST_CASE("DDP: no_sync accumulation equals one step on the joined batch") {
+  TempDir dir;
+  auto res = run_workers("ddp_train", 2, dir.str(), {{"T_NOSYNC", "1"}});
+  REQUIRE(res.ok());
+  auto ref = reference(2, false);
+  auto net = load_net(dir / "net0.pt", false);
+  double d = test::max_state_diff(*net, *ref);
+  MESSAGE("no_sync: max relative difference ", d);
+  CHECK(d <= 1e-5);
+}
+
+TEST_CASE("DDP: 1 KiB and 25 MiB buckets give identical results") {
+  TempDir small, large;
+  auto trace = (small / "trace_{rank}.json").string();
+  REQUIRE(run_workers("ddp_train", 2, small.str(),
+                      {{"T_BUCKET", "1024"}, {"T_TRACE", trace}})
+              .ok());
+  REQUIRE(run_workers("ddp_train", 2, large.str(), {{"T_BUCKET", "26214400"}})
+              .ok());
+  for (int r = 0; r < 2; ++r) {
+    auto a = load_net(small / ("net" + std::to_string(r) + ".pt"), false);
+    auto b = load_net(large / ("net" + std::to_string(r) + ".pt"), false);
+    CHECK(test::max_state_diff(*a, *b) == 0);
+  }
+  // The trace of the 1 KiB run has many buckets, each with an all-reduce.
+  std::ifstream in(small / "trace_0.json");
+  std::string json((std::istreambuf_iterator<char>(in)), {});
+  CHECK(json.find("\"traceEvents\"") != std::string::npos);
+  CHECK(json.find("allreduce bucket 2") != std::string::npos);
+  CHECK(json.find("wait after backward") != std::string::npos);
+  CHECK(json.find("\"forward\"") != std::string::npos);
+}
+
+TEST_CASE("DDP: compressed gradients stay within their documented tolerance") {
+  auto ref = reference(2, false);
+  for (auto [comm, tol] : {std::pair{std::string("fp16"), 1e-3},
+                           std::pair{std::string("bf16"), 1e-2}}) {
+    CAPTURE(comm);
+    TempDir dir;
+    REQUIRE(run_workers("ddp_train", 2, dir.str(), {{"T_COMM", comm}}).ok());
+    auto net = load_net(dir / "net0.pt", false);
+    double d = test::max_state_diff(*net, *ref);
+    MESSAGE(comm, ": max relative difference to float32 ", d);
+    CHECK(d <= tol);
+    CHECK(d > 0);  // it really went through the compressed path
+  }
+}
+
+TEST_CASE("SyncBatchNorm with unequal per-rank batches equals BatchNorm on the concatenated batch") {
+  TempDir dir;
+  REQUIRE(run_workers("syncbn_unequal", 2, dir.str()).ok());
+  auto gen = at::detail::createCPUGenerator(7);
+  auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
+  auto wts = torch::randn({8, 4, 3, 3}, gen);
+  auto x = x_all.clone().requires_grad_(true);
+  torch::manual_seed(3);
+  torch::nn::BatchNorm2d bn(4);  // libtorch's own BatchNorm as the reference
+  bn->weight.data().uniform_(0.5, 1.5);
+  bn->bias.data().uniform_(-0.5, 0.5);
+  auto y = bn(x);
+  (y * wts).sum().backward();
+  auto y_dist = torch::cat({test::load_tensor(dir / "y0.pt"), test::load_tensor(dir / "y1.pt")});
+  auto dx_dist = torch::cat({test::load_tensor(dir / "dx0.pt"), test::load_tensor(dir / "dx1.pt")});
+  MESSAGE("outputs ", test::rel_diff(y_dist, y.detach()), ", input grads ",
+          test::rel_diff(dx_dist, x.grad()));
+  CHECK(test::rel_diff(y_dist, y.detach()) <= 1e-5);
+  CHECK(test::rel_diff(dx_dist, x.grad()) <= 1e-5);
+  for (int r = 0; r < 2; ++r) {
+    auto tag = std::to_string(r);
+    CHECK(test::rel_diff(test::load_tensor(dir / ("rm" + tag + ".pt")), bn->running_mean) <= 1e-5);
+    CHECK(test::rel_diff(test::load_tensor(dir / ("rv" + tag + ".pt")), bn->running_var) <= 1e-5);
+  }
+}
+
+TEST_CASE("BatchNorm2d matches torch::nn::BatchNorm2d and its state dict") {
+  torch::manual_seed(1);
+  nn::BatchNorm2d ours(6);
+  torch::nn::BatchNorm2d theirs(6);
+  auto x = torch::randn({5, 6, 4, 4});
+  CHECK(torch::allclose(ours(x), theirs(x), 1e-5, 1e-6));
+  CHECK(torch::allclose(ours->running_var, theirs->running_var));
+  ours->eval();
+  theirs->eval();
+  CHECK(torch::allclose(ours(x), theirs(x), 1e-5, 1e-6));
+  std::vector<std::string> a, b;
+  for (auto& p : ours->named_parameters()) a.push_back(p.key());
+  for (auto& p : ours->named_buffers()) a.push_back(p.key());
+  for (auto& p : theirs->named_parameters()) b.push_back(p.key());
+  for (auto& p : theirs->named_buffers()) b.push_back(p.key());
+  CHECK(a == b);
+}
+
+TEST_CASE("convert_sync_batchnorm names a torch::nn::BatchNorm2d it cannot convert") {
+  torch::nn::Sequential seq(torch::nn::Conv2d(3, 4, 1), torch::nn::BatchNorm2d(4));
+  CHECK_THROWS_WITH_AS(nn::convert_sync_batchnorm(*seq, dist::Group{}),
+                       doctest::Contains("module '1' is a torch::nn::BatchNorm2d"),
+                       UsageError);
+  auto net = test::make_net(1, true);
+  CHECK(nn::convert_sync_batchnorm(*net, dist::Group{}) == 2);
+}
+
+TEST_CASE("DataParallel with CPU replicas equals single-device training") {
+  auto ref = reference(1, false, 6);
+  for (int replicas : {2, 3}) {
+    CAPTURE(replicas);
+    auto net = test::make_net(100, false);
+    parallel::DataParallel::engine<test::SmallNet> eng(
+        net, dist::Group{}, parallel::DataParallelOptions().replicas(replicas),
+        torch::kCPU);
+    CHECK(eng.num_replicas() == static_cast<std::size_t>(replicas));
+    auto opt = test::make_sgd(*net);
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = test::global_batch(s, 6);
+      opt.zero_grad();
+      auto out = eng.forward_backward(x, y, test::ce_loss);
+      CHECK(out.output.size(0) == 6);
+      opt.step();
+    }
+    double d = test::max_state_diff(*net, *ref);
+    MESSAGE(replicas, " replicas: max relative difference ", d);
+    CHECK(d <= 1e-5);
+  }
+}
+
+TEST_CASE("DDP: unused parameters are an error naming them, or handled") {
+  TempDir dir;
+  auto res = run_workers("unused_params", 2, dir.str(), {{"T_FIND", "0"}});
+  CHECK(res.exit_code == 5);
+  std::ifstream in(dir / "error0");
+  std::string msg((std::istreambuf_iterator<char>(in)), {});
+  MESSAGE(msg);
+  CHECK(msg.find("unused.weight") != std::string::npos);
+  CHECK(msg.find("find_unused_parameters") != std::string::npos);
+  TempDir dir2;
+  CHECK(run_workers("unused_params", 2, dir2.str(), {{"T_FIND", "1"}}).ok());
+}
+
+TEST_CASE("DDP: models that differ across ranks fail at construction") {
+  TempDir dir;
+  auto res = run_workers("mismatched_models", 2, dir.str());
+  CHECK(res.exit_code == 7);
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream in(dir / ("error" + std::to_string(r)));
+    std::string msg((std::istreambuf_iterator<char>(in)), {});
+    CAPTURE(msg);
+    CHECK(msg.find("the model differs across ranks") != std::string::npos);
+    CHECK(msg.find("rank 1 has 'parameter bn1.weight") != std::string::npos);
+  }
+}
+
+}  // TEST_SUITE("parallel")
