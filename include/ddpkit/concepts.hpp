@@ -27,7 +27,9 @@ concept declares_sampler_tag =
 template <class S>
 concept yields_index_batches = requires(S s, std::size_t n) {
   typename S::BatchRequestType;
-  { s.next(n) } -> std::same_as<std::optional<std::vector<std::size_t>>>;
+  // libtorch's optional (c10::optional in 1.x, std::optional in 2.x).
+  { *s.next(n) } -> std::convertible_to<std::vector<std::size_t>>;
+  { static_cast<bool>(s.next(n)) };
   s.reset();
 };
 

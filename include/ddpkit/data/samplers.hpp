@@ -56,8 +56,8 @@ class IndexCursor {
  public:
   using BatchRequestType = std::vector<std::size_t>;
 
-  std::optional<std::vector<std::size_t>> next(std::size_t batch_size) {
-    if (position_ >= indices_.size()) return std::nullopt;
+  c10::optional<std::vector<std::size_t>> next(std::size_t batch_size) {
+    if (position_ >= indices_.size()) return c10::nullopt;
     auto end = std::min(indices_.size(), position_ + batch_size);
     std::vector<std::size_t> out(indices_.begin() + position_,
                                  indices_.begin() + end);
@@ -105,7 +105,7 @@ class SequentialSampling : public detail::IndexCursor {
   explicit SequentialSampling(std::size_t size, ShardSpec = {}) : n_(size) {
     reset();
   }
-  void reset(std::optional<std::size_t> new_size = std::nullopt) {
+  void reset(c10::optional<std::size_t> new_size = c10::nullopt) {
     if (new_size) n_ = *new_size;
     indices_ = ranges::views::iota(std::size_t{0}, n_) | ranges::to<std::vector>();
     position_ = 0;
@@ -132,7 +132,7 @@ class RandomSampling : public detail::IndexCursor {
       : n_(size), seed_(spec.seed) {
     reset();
   }
-  void reset(std::optional<std::size_t> new_size = std::nullopt) {
+  void reset(c10::optional<std::size_t> new_size = c10::nullopt) {
     if (new_size) n_ = *new_size;
     indices_ = detail::seeded_permutation(n_, seed_ + epoch_);
     position_ = 0;
@@ -199,7 +199,7 @@ class DistributedSampling : public detail::IndexCursor {
     return spec_.drop_last ? (n_ / w) * w : ((n_ + w - 1) / w) * w;
   }
 
-  void reset(std::optional<std::size_t> new_size = std::nullopt) {
+  void reset(c10::optional<std::size_t> new_size = c10::nullopt) {
     namespace rv = ranges::views;
     if (new_size) n_ = *new_size;
     std::vector<std::size_t> all =
