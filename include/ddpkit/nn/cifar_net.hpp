@@ -38,7 +38,7 @@ struct CifarNetOptions {
 /// | classifier.2/3  | ReLU, Dropout                          | 256               |
 /// | classifier.4    | Linear(256, num_classes)               | num_classes       |
 ///
-/// With w = 32 that is 620,362 parameters for 10 classes and about 11 M
+/// With w = 32 that is 620,586 parameters for 10 classes and about 11 M
 /// multiply-adds per image. Inputs must be 32×32.
 ///
 /// Example:
