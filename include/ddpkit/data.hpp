@@ -8,3 +8,6 @@
 #include "ddpkit/data/synthetic.hpp"
 #include "ddpkit/data/transforms.hpp"
 #include "ddpkit/data/loader.hpp"
+#include "ddpkit/data/image_io.hpp"
+#include "ddpkit/data/image_folder.hpp"
+#include "ddpkit/data/jpeg_folder_generator.hpp"

@@ -2,7 +2,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <string>
+
+#include <png.h>
 
 #include "ddpkit/data.hpp"
 
@@ -105,6 +108,102 @@ TEST_CASE("load_cifar10 errors name the file and the problem") {
     CHECK(contains(msg, "test_batch.bin"));
     CHECK(contains(msg, "label 42"));
     CHECK(contains(msg, "byte offset 6146"));
+  }
+}
+
+TEST_CASE("ImageFolder: split, class_indices.json, decode") {
+  ddpkit::test::TempDir tmp;
+  const auto root = tmp / "flowers";
+  make_jpeg_folder(root, JpegFolderOptions().images_per_class(11).short_side(40).seed(3));
+  // A PNG in one class, and a stray non-image file that must be ignored.
+  {
+    auto img = torch::randint(0, 256, {3, 20, 30}, torch::kUInt8);
+    auto hwc = img.permute({1, 2, 0}).contiguous();
+    png_image p{};
+    p.version = PNG_IMAGE_VERSION;
+    p.width = 30;
+    p.height = 20;
+    p.format = PNG_FORMAT_RGB;
+    REQUIRE(png_image_write_to_file(&p, (root / "tulips" / "extra.PNG").c_str(), 0,
+                                    hwc.data_ptr<uint8_t>(), 0, nullptr));
+    CHECK(torch::equal(decode_image(root / "tulips" / "extra.PNG"), img));
+    std::ofstream(root / "roses" / "notes.txt") << "not an image";
+  }
+  const auto json = tmp / "class_indices.json";
+  auto opts = ImageFolderOptions().class_indices_json(json).seed(1);
+  auto a = read_image_folder(root, opts);
+  CHECK(a.classes == std::vector<std::string>{"daisy", "dandelion", "roses", "sunflowers", "tulips"});
+  CHECK(a.train.size() == 4 * 9 + 10);  // 11 -> 2 val; tulips 12 -> 2 val
+  CHECK(a.val.size() == 10);
+  std::ifstream js(json);
+  std::string text((std::istreambuf_iterator<char>(js)), std::istreambuf_iterator<char>());
+  CHECK(text == "{\n    \"0\": \"daisy\",\n    \"1\": \"dandelion\",\n    \"2\": \"roses\",\n"
+                "    \"3\": \"sunflowers\",\n    \"4\": \"tulips\"\n}");
+
+  SUBCASE("the split is reproducible and seed-dependent") {
+    auto b = read_image_folder(root, opts);
+    auto c = read_image_folder(root, ImageFolderOptions().class_indices_json(json).seed(2));
+    auto paths = [](const ImageFiles& f) {
+      std::vector<std::string> p;
+      for (const auto& s : f.samples()) p.push_back(s.path.string());
+      return p;
+    };
+    CHECK(paths(a.val) == paths(b.val));
+    CHECK(paths(a.val) != paths(c.val));
+    for (const auto& s : a.val.samples()) CHECK(s.path.parent_path().filename() == a.classes[s.label]);
+  }
+  SUBCASE("decode, scaled decode, and the ImageNet pipeline through the loader") {
+    auto [imgs, labels] = a.train.get({0, 1});
+    CHECK(imgs[0].size(0) == 3);
+    CHECK(std::min(imgs[0].size(1), imgs[0].size(2)) == 40);
+    auto full = decode_image(a.train.samples()[0].path);
+    auto small = decode_image(a.train.samples()[0].path, 10);  // 1/4 scale: 10 >= 10
+    CHECK(std::min(small.size(1), small.size(2)) == 10);
+    CHECK(small.size(1) == (full.size(1) + 3) / 4);  // TJSCALED rounds up
+    Loader l1(a.train, ImageNetTrain{ImageNetTrainOptions().size(32)}, LoaderOptions(8).workers(1));
+    Loader l3(a.train, ImageNetTrain{ImageNetTrainOptions().size(32)}, LoaderOptions(8).workers(3));
+    std::vector<size_t> idx(a.train.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    auto e1 = l1.epoch(idx, 0);
+    auto e3 = l3.epoch(idx, 0);
+    for (auto b1 = e1.next(), b3 = e3.next(); b1; b1 = e1.next(), b3 = e3.next()) {
+      CHECK(b1->data.sizes() == torch::IntArrayRef({b1->target.size(0), 3, 32, 32}));
+      CHECK(torch::equal(b1->data, b3->data));
+    }
+  }
+  SUBCASE("a corrupt file is an error naming it, or skipped and counted") {
+    std::ofstream(root / "daisy" / "broken.jpg") << "definitely not a jpeg";
+    auto f = read_image_folder(root, ImageFolderOptions().class_indices_json("").val_ratio(0.5));
+    std::vector<size_t> all(f.train.size());
+    std::iota(all.begin(), all.end(), 0);
+    std::vector<size_t> v(f.val.size());
+    std::iota(v.begin(), v.end(), 0);
+    auto msg = usage_error_of([&] {
+      f.train.get(all);
+      f.val.get(v);
+    });
+    CHECK(contains(msg, "broken.jpg"));
+    auto g = read_image_folder(root, ImageFolderOptions().class_indices_json("").skip_corrupt(true));
+    REQUIRE(g.skipped.size() == 1);
+    CHECK(g.skipped[0].filename() == "broken.jpg");
+    CHECK(g.train.size() + g.val.size() == 56);
+  }
+  SUBCASE("empty class folder and empty split are errors") {
+    fs::create_directories(root / "zinnia");
+    CHECK(contains(usage_error_of([&] { read_image_folder(root, opts); }), "zinnia"));
+    fs::remove(root / "zinnia");
+    auto msg = usage_error_of([&] {
+      read_image_folder(root, ImageFolderOptions().class_indices_json("").val_ratio(0.05));
+    });
+    CHECK(contains(msg, "0 validation"));
+    CHECK(contains(usage_error_of([&] { read_image_folder(tmp / "nowhere"); }), "nowhere"));
+  }
+  SUBCASE("class names cannot escape folders") {
+    CHECK_THROWS_AS(check_class_name(".."), ddpkit::UsageError);
+    CHECK_THROWS_AS(check_class_name("a/b"), ddpkit::UsageError);
+    CHECK_THROWS_AS(make_jpeg_folder(tmp / "x", JpegFolderOptions().classes({"ok", "../evil"})),
+                    ddpkit::UsageError);
+    CHECK_FALSE(fs::exists(tmp / "evil"));
   }
 }
 
