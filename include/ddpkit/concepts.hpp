@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <torch/torch.h>
+
 namespace ddpkit {
 
 // Opt-in tags: a policy says `using parallel_concept = ddpkit::parallel_tag;`.
@@ -135,5 +137,36 @@ concept reduction_policy = declares_reduction_tag<R> && says_who_evaluates<R>;
 
 template <class R>
 inline constexpr bool is_reduction_policy_v = reduction_policy<R>;
+
+// ---- models and combinations ---------------------------------------------------
+
+template <class M>
+concept is_module_pointer = requires(M m) {
+  requires std::derived_from<std::remove_cvref_t<decltype(*m)>,
+                             torch::nn::Module>;
+};
+
+template <class M>
+concept has_tensor_forward = requires(M m, torch::Tensor x) {
+  { m->forward(x) } -> std::convertible_to<torch::Tensor>;
+};
+
+/// A module holder (`TORCH_MODULE`) or `std::shared_ptr` to a module whose
+/// `forward(Tensor)` returns the logits.
+template <class M>
+concept trainable_model = is_module_pointer<M> && has_tensor_forward<M>;
+
+/// One process per device needs a sampler that shards; one process must not
+/// use one (it would see only part of the data).
+template <class Parallel, class Sampler>
+concept sampler_matches_parallel_policy =
+    parallel_policy<Parallel> && sampler_policy<Sampler> &&
+    (Parallel::is_multi_process == Sampler::is_distributed);
+
+/// Synchronised batch norm needs several processes to synchronise.
+template <class Parallel, class BN>
+concept bn_matches_parallel_policy =
+    parallel_policy<Parallel> && bn_policy<BN> &&
+    (!BN::is_synchronized || Parallel::is_multi_process);
 
 }  // namespace ddpkit

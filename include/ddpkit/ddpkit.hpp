@@ -1,0 +1,45 @@
+// ddpkit: train libtorch models on one device, on several devices of one
+// process (DataParallel), or across processes and machines (DDP), with the
+// mode chosen by a type. This header is the whole public API.
+#pragma once
+
+#include "ddpkit/concepts.hpp"
+#include "ddpkit/data.hpp"
+#include "ddpkit/dist.hpp"
+#include "ddpkit/nn/models.hpp"
+#include "ddpkit/parallel.hpp"
+#include "ddpkit/train.hpp"
+
+namespace ddpkit {
+
+// The names users compose with, at the top level.
+using parallel::DataParallel;
+using parallel::DDP;
+using parallel::DDPBf16;
+using parallel::DDPFp16;
+using parallel::SingleDevice;
+using data::DistributedSampling;
+using data::RandomSampling;
+using data::SequentialSampling;
+using nn::PlainBN;
+using nn::SyncBN;
+using train::LinearScaling;
+using train::NoScaling;
+using train::RankZeroEval;
+using train::ShardedEval;
+using train::SqrtScaling;
+using train::Trainer;
+using train::TrainerOptions;
+
+/// The common combinations, named.
+template <class Model, class BN = PlainBN, class Scaling = NoScaling,
+          class Reduction = RankZeroEval>
+using DDPTrainer = Trainer<Model, DDP, DistributedSampling, BN, Scaling, Reduction>;
+template <class Model, class Reduction = RankZeroEval>
+using SingleDeviceTrainer =
+    Trainer<Model, SingleDevice, RandomSampling, PlainBN, NoScaling, Reduction>;
+template <class Model, class Reduction = RankZeroEval>
+using DataParallelTrainer =
+    Trainer<Model, DataParallel, RandomSampling, PlainBN, NoScaling, Reduction>;
+
+}  // namespace ddpkit

@@ -1,0 +1,9 @@
+// Training: the Trainer, LR scaling and schedules, evaluation strategies,
+// checkpoints, metrics files and progress.
+#pragma once
+
+#include "ddpkit/train/checkpoint.hpp"
+#include "ddpkit/train/lr.hpp"
+#include "ddpkit/train/metrics.hpp"
+#include "ddpkit/train/reduction.hpp"
+#include "ddpkit/train/trainer.hpp"

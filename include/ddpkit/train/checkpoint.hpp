@@ -1,0 +1,133 @@
+// Checkpoints written atomically (temporary file, flush, fsync, rename), so
+// a crash mid-write never leaves a broken `last` or `best`, and loaded with
+// errors that name the file and the first mismatching key.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/detail/error.hpp"
+
+namespace ddpkit::train {
+
+namespace detail {
+
+inline void fsync_path(const std::filesystem::path& p, bool directory) {
+  int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+}  // namespace detail
+
+/// Test hook: called between the temporary file's flush and the rename.
+inline std::function<void()>& before_rename_hook() {
+  static std::function<void()> hook;
+  return hook;
+}
+
+/// Writes `archive` to `path` atomically: `path.tmp` first, fsync, rename.
+/// Readers see the old file or the new one, never a partial one.
+inline void atomic_save(torch::serialize::OutputArchive& archive,
+                        const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(path.parent_path(), ec);
+  if (ec) {
+    throw UsageError(ddpkit::detail::cat("cannot create folder ",
+                                         path.parent_path().string(), ": ",
+                                         ec.message()));
+  }
+  auto tmp = path;
+  tmp += ".tmp";
+  try {
+    archive.save_to(tmp.string());
+  } catch (const c10::Error& e) {
+    fs::remove(tmp, ec);
+    throw UsageError(ddpkit::detail::cat("cannot write checkpoint ",
+                                         tmp.string(), ": ",
+                                         e.what_without_backtrace()));
+  }
+  detail::fsync_path(tmp, false);
+  if (before_rename_hook()) before_rename_hook()();
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    throw UsageError(ddpkit::detail::cat("cannot rename ", tmp.string(),
+                                         " to ", path.string(), ": ",
+                                         ec.message()));
+  }
+  detail::fsync_path(path.parent_path(), true);
+}
+
+/// Reads a checkpoint archive, turning libtorch's errors into one that names
+/// the file.
+inline torch::serialize::InputArchive open_checkpoint(
+    const std::filesystem::path& path) {
+  if (!std::filesystem::is_regular_file(path)) {
+    throw UsageError(ddpkit::detail::cat("checkpoint ", path.string(),
+                                         " does not exist"));
+  }
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path.string());
+  } catch (const c10::Error& e) {
+    std::string what = e.what_without_backtrace();
+    throw UsageError(ddpkit::detail::cat(
+        "checkpoint ", path.string(), " cannot be read (truncated or not a "
+        "ddpkit checkpoint): ", what.substr(0, what.find('\n'))));
+  }
+  return archive;
+}
+
+/// A module's parameters and buffers by their dotted names ("layer1.0.conv1.weight").
+inline c10::Dict<std::string, torch::Tensor> state_dict(torch::nn::Module& m) {
+  c10::Dict<std::string, torch::Tensor> d;
+  for (auto& p : m.named_parameters()) d.insert(p.key(), p.value().detach());
+  for (auto& b : m.named_buffers()) d.insert(b.key(), b.value().detach());
+  return d;
+}
+
+/// Loads a module's state from `archive[key]` (a dict written from
+/// `state_dict`), checking every parameter and buffer: a missing key or a
+/// shape mismatch is an error naming the file and the first such key.
+inline void load_module_checked(torch::nn::Module& module,
+                                torch::serialize::InputArchive& archive,
+                                const std::string& key,
+                                const std::filesystem::path& file) {
+  c10::IValue value;
+  if (!archive.try_read(key, value) || !value.isGenericDict()) {
+    throw UsageError(ddpkit::detail::cat("checkpoint ", file.string(),
+                                         " has no '", key, "' state"));
+  }
+  auto dict = value.toGenericDict();
+  torch::NoGradGuard no_grad;
+  auto check = [&](const std::string& name, torch::Tensor& target) {
+    auto it = dict.find(name);
+    if (it == dict.end()) {
+      throw UsageError(ddpkit::detail::cat(
+          "checkpoint ", file.string(), ": key '", name,
+          "' is missing (the checkpoint is of another model)"));
+    }
+    auto t = it->value().toTensor();
+    if (t.sizes() != target.sizes()) {
+      throw UsageError(ddpkit::detail::cat(
+          "checkpoint ", file.string(), ": key '", name, "' has shape ",
+          c10::str(t.sizes()), " but the model expects ",
+          c10::str(target.sizes())));
+    }
+    target.copy_(t);
+  };
+  for (auto& p : module.named_parameters()) check(p.key(), p.value());
+  for (auto& b : module.named_buffers()) check(b.key(), b.value());
+}
+
+}  // namespace ddpkit::train

@@ -1,0 +1,213 @@
+// Per-epoch metrics, their files (metrics.jsonl, metrics.csv, summary.json,
+// rewritten whole and atomically so a resumed run never duplicates rows),
+// and rank 0's progress display.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/detail/error.hpp"
+
+namespace ddpkit::train {
+
+/// One epoch's numbers, identical on every rank.
+struct EpochMetrics {
+  int epoch = 0;  ///< 1-based, as printed
+  double train_loss = 0, train_acc = 0, val_loss = 0, val_acc = 0, lr = 0,
+         seconds = 0, images_per_second = 0;
+
+  static constexpr int kFields = 8;
+  torch::Tensor to_tensor() const {
+    return torch::tensor({static_cast<double>(epoch), train_loss, train_acc,
+                          val_loss, val_acc, lr, seconds, images_per_second},
+                         torch::kFloat64);
+  }
+  static EpochMetrics from_tensor(const torch::Tensor& t) {
+    auto a = t.accessor<double, 1>();
+    return {static_cast<int>(a[0]), a[1], a[2], a[3], a[4], a[5], a[6], a[7]};
+  }
+};
+
+namespace detail {
+
+inline std::string num(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream os;
+  os << std::setprecision(10) << v;
+  return os.str();
+}
+
+inline std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+/// Writes `text` to `path` through a temporary file and a rename.
+inline void write_atomically(const std::filesystem::path& path,
+                             const std::string& text) {
+  auto tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) {
+      throw UsageError(ddpkit::detail::cat("cannot write ", tmp.string(),
+                                           " (is the output folder writable?)"));
+    }
+    out << text;
+    out.flush();
+    if (!out) {
+      throw UsageError(ddpkit::detail::cat("writing ", tmp.string(), " failed"));
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    throw UsageError(ddpkit::detail::cat("cannot rename ", tmp.string(), ": ",
+                                         ec.message()));
+  }
+}
+
+}  // namespace detail
+
+inline std::string to_json(const EpochMetrics& m) {
+  using detail::num;
+  return "{\"epoch\":" + std::to_string(m.epoch) +
+         ",\"train_loss\":" + num(m.train_loss) +
+         ",\"train_acc\":" + num(m.train_acc) +
+         ",\"val_loss\":" + num(m.val_loss) + ",\"val_acc\":" + num(m.val_acc) +
+         ",\"lr\":" + num(m.lr) + ",\"seconds\":" + num(m.seconds) +
+         ",\"images_per_second\":" + num(m.images_per_second) + "}";
+}
+
+/// Rewrites OUT/metrics.jsonl and OUT/metrics.csv from the whole history.
+inline void write_metrics_files(const std::filesystem::path& out,
+                                const std::vector<EpochMetrics>& history) {
+  using detail::num;
+  std::string jsonl, csv =
+      "epoch,train_loss,train_acc,val_loss,val_acc,lr,seconds,"
+      "images_per_second\n";
+  for (const auto& m : history) {
+    jsonl += to_json(m) + "\n";
+    csv += std::to_string(m.epoch) + "," + num(m.train_loss) + "," +
+           num(m.train_acc) + "," + num(m.val_loss) + "," + num(m.val_acc) +
+           "," + num(m.lr) + "," + num(m.seconds) + "," +
+           num(m.images_per_second) + "\n";
+  }
+  detail::write_atomically(out / "metrics.jsonl", jsonl);
+  detail::write_atomically(out / "metrics.csv", csv);
+}
+
+/// Key/value pairs of a flat JSON object, written in order.
+class JsonObject {
+ public:
+  JsonObject& add(const std::string& k, const std::string& v) {
+    items_.emplace_back(k, "\"" + detail::json_escape(v) + "\"");
+    return *this;
+  }
+  JsonObject& add(const std::string& k, const char* v) {
+    return add(k, std::string(v));
+  }
+  JsonObject& add(const std::string& k, double v) {
+    items_.emplace_back(k, detail::num(v));
+    return *this;
+  }
+  JsonObject& add(const std::string& k, int v) {
+    items_.emplace_back(k, std::to_string(v));
+    return *this;
+  }
+  JsonObject& add(const std::string& k, bool v) {
+    items_.emplace_back(k, v ? "true" : "false");
+    return *this;
+  }
+  std::string str() const {
+    std::string s = "{\n";
+    for (std::size_t i = 0; i < items_.size(); ++i) {
+      s += "  \"" + items_[i].first + "\": " + items_[i].second +
+           (i + 1 < items_.size() ? ",\n" : "\n");
+    }
+    return s + "}\n";
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::string>> items_;
+};
+
+/// Rank 0's display: a progress bar redrawn in place on a terminal, one
+/// plain line per epoch otherwise.
+class Progress {
+ public:
+  explicit Progress(bool enabled)
+      : enabled_(enabled), tty_(enabled && ::isatty(STDOUT_FILENO)) {}
+
+  void begin_epoch(int epoch, int epochs, std::size_t steps) {
+    epoch_ = epoch;
+    epochs_ = epochs;
+    steps_ = steps;
+    start_ = std::chrono::steady_clock::now();
+  }
+
+  void step(std::size_t done, double loss, double images_per_second) {
+    if (!tty_) return;
+    auto now = std::chrono::steady_clock::now();
+    if (done < steps_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+    last_draw_ = now;
+    double elapsed = std::chrono::duration<double>(now - start_).count();
+    double eta = done ? elapsed / done * (steps_ - done) : 0;
+    const int width = 24;
+    int filled = steps_ ? static_cast<int>(width * done / steps_) : width;
+    std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f %.0f img/s ETA %.0fs ",
+                epoch_, epochs_, std::string(filled, '#').c_str(),
+                std::string(width - filled, '.').c_str(), done, steps_, loss,
+                images_per_second, eta);
+    std::fflush(stdout);
+  }
+
+  void end_epoch(const EpochMetrics& m) {
+    if (!enabled_) return;
+    if (tty_) std::printf("\r\033[K");
+    std::printf(
+        "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc "
+        "%.4f  lr %.3g  %.1fs  %.0f img/s\n",
+        m.epoch, epochs_, m.train_loss, m.train_acc, m.val_loss, m.val_acc,
+        m.lr, m.seconds, m.images_per_second);
+    std::fflush(stdout);
+  }
+
+  void line(const std::string& s) {
+    if (!enabled_) return;
+    std::printf("%s\n", s.c_str());
+    std::fflush(stdout);
+  }
+
+ private:
+  bool enabled_, tty_;
+  int epoch_ = 0, epochs_ = 0;
+  std::size_t steps_ = 0;
+  std::chrono::steady_clock::time_point start_, last_draw_;
+};
+
+}  // namespace ddpkit::train

@@ -1,0 +1,208 @@
+// Trainer<Model, ParallelPolicy, SamplerPolicy, BNPolicy, LRScaling,
+// Reduction>: the training loop of both reference recipes, composed at
+// compile time. Declarations and documentation here; bodies in
+// trainer_impl.hpp.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/concepts.hpp"
+#include "ddpkit/data/samplers.hpp"
+#include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/nn/batch_norm.hpp"
+#include "ddpkit/parallel/ddp.hpp"
+#include "ddpkit/parallel/data_parallel.hpp"
+#include "ddpkit/parallel/single_device.hpp"
+#include "ddpkit/train/checkpoint.hpp"
+#include "ddpkit/train/lr.hpp"
+#include "ddpkit/train/metrics.hpp"
+#include "ddpkit/train/reduction.hpp"
+
+namespace ddpkit::train {
+
+/// What the Trainer does; each field says whether changing it after
+/// construction has effect (all are read at `fit`).
+struct TrainerOptions {
+  TORCH_ARG(int, epochs) = 30;
+  /// Base learning rate, before the LR-scaling policy and the schedule.
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(ScheduleOptions, schedule) = {};
+  /// Early stopping: stop after this many epochs without a better
+  /// validation accuracy (0: never).
+  TORCH_ARG(int, patience) = 0;
+  /// Where rank 0 writes metrics, checkpoints and the summary.
+  TORCH_ARG(std::string, out_dir) = "runs/ddpkit";
+  /// "" (fresh), a checkpoint path, or "auto" (OUT/checkpoints/last.pt if
+  /// it exists).
+  TORCH_ARG(std::string, resume) = "";
+  /// Cap on steps per epoch (0: no cap), for smoke runs and benchmarks.
+  TORCH_ARG(int64_t, max_steps) = 0;
+  /// Seeds sampling, augmentation (with the rank) and dropout.
+  TORCH_ARG(std::uint64_t, seed) = 42;
+  /// Write checkpoints/last.pt every epoch and best.pt on improvement.
+  TORCH_ARG(bool, checkpoints) = true;
+  /// Also write the model's state dict (Python-loadable) each epoch to this
+  /// pattern under OUT, `{epoch}` replaced (flowers: "weights/model-{epoch}.pt").
+  TORCH_ARG(std::string, weights_pattern) = "";
+  /// Rank 0 prints progress and one line per epoch.
+  TORCH_ARG(bool, verbose) = true;
+  /// Names the run in summary.json ("cifar10", "flowers-resnet34").
+  TORCH_ARG(std::string, run_name) = "ddpkit";
+  /// Drop the tail of the training set so every rank has equal batches.
+  TORCH_ARG(bool, drop_last) = false;
+  /// CUDA only: autocast forward and a dynamic loss scale whose overflow
+  /// check is reduced across ranks.
+  TORCH_ARG(bool, mixed_precision) = false;
+};
+
+/// The result of `fit`.
+struct FitResult {
+  std::vector<EpochMetrics> history;
+  double best_val_acc = 0;
+  int best_epoch = 0;
+  int epochs_run = 0;
+  bool stopped_early = false;
+  double total_seconds = 0;
+};
+
+/// Validation loss and accuracy, the same on every rank.
+struct EvalResult {
+  double loss = 0;
+  double accuracy = 0;
+  int64_t count = 0;
+};
+
+/// Information handed to user hooks.
+struct StepInfo {
+  int epoch;
+  std::size_t step;
+  double loss;
+};
+
+/// No hooks: every call compiles away.
+struct NoHooks {};
+
+/// Makes the optimizer over the model's parameters (after they are on the
+/// device and, for DDP, broadcast from rank 0).
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
+    std::vector<torch::Tensor>)>;
+
+/// The default loss: cross entropy on logits.
+struct CrossEntropy {
+  torch::Tensor operator()(const torch::Tensor& out,
+                           const torch::Tensor& target) const {
+    return torch::nn::functional::cross_entropy(out, target);
+  }
+};
+
+/// The device this rank should train on: its local GPU where CUDA is
+/// available, else the CPU.
+inline torch::Device default_device(const dist::Group& g) {
+  if (torch::cuda::is_available()) {
+    return torch::Device(torch::kCUDA,
+                         static_cast<c10::DeviceIndex>(g.local_rank()));
+  }
+  return torch::kCPU;
+}
+
+/// Trains `Model` the way the policies say.
+///
+/// Example:
+/// ```
+/// using Mode = ddpkit::DDP;  // or ddpkit::SingleDevice, ddpkit::DataParallel
+/// ddpkit::Trainer<ResNet34, Mode, ddpkit::DistributedSampling, ddpkit::SyncBN,
+///                 ddpkit::LinearScaling, ddpkit::ShardedEval>
+///     trainer(model, make_sgd, opts, group);
+/// auto result = trainer.fit(train_set, val_set, train_tf, eval_tf, loader_opts);
+/// ```
+/// A wrong combination is a compile error naming the concept:
+/// `sampler_matches_parallel_policy` (DistributedSampling with SingleDevice,
+/// or a non-sharding sampler with DDP) or `bn_matches_parallel_policy`
+/// (SyncBN without several processes).
+template <class Model, class Parallel, class Sampler, class BN,
+          class LRScaling = NoScaling, class Reduction = RankZeroEval>
+  requires trainable_model<Model> && parallel_policy<Parallel> &&
+           sampler_policy<Sampler> && bn_policy<BN> &&
+           lr_scaling_policy<LRScaling> && reduction_policy<Reduction> &&
+           sampler_matches_parallel_policy<Parallel, Sampler> &&
+           bn_matches_parallel_policy<Parallel, BN>
+class Trainer {
+ public:
+  using model_type = Model;
+  using parallel_type = Parallel;
+  using sampler_type = Sampler;
+  using engine_type = typename Parallel::template engine<Model>;
+
+  Trainer(Model model, OptimizerFactory make_optimizer, TrainerOptions options,
+          dist::Group group = {},
+          typename Parallel::options_type parallel_options = {},
+          std::optional<torch::Device> device = std::nullopt);
+
+  /// Trains for `options.epochs()` epochs (from a checkpoint when resuming),
+  /// evaluating on `val` after each; rank 0 writes metrics, checkpoints and
+  /// the summary. `hooks` may define `on_epoch_begin(int)`,
+  /// `on_step_end(const StepInfo&)`, `on_epoch_end(const EpochMetrics&)`.
+  template <class Dataset, class TrainTransform, class EvalTransform,
+            class Hooks = NoHooks>
+  FitResult fit(const Dataset& train, const Dataset& val,
+                TrainTransform train_transform, EvalTransform eval_transform,
+                data::LoaderOptions loader_options, Hooks&& hooks = {});
+
+  /// Loss and accuracy over `set`, computed as `Reduction` says and
+  /// identical on every rank.
+  template <class Dataset, class EvalTransform>
+  EvalResult evaluate(const Dataset& set, EvalTransform eval_transform,
+                      data::LoaderOptions loader_options);
+
+  Model& model() { return engine_.module(); }
+  engine_type& engine() { return engine_; }
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  const dist::Group& group() const { return group_; }
+  /// The world size the LR is scaled for (processes for DDP, else 1).
+  int lr_world_size() const {
+    return Parallel::is_multi_process ? group_.size() : 1;
+  }
+  bool is_main() const { return group_.rank() == 0; }
+  const TrainerOptions& options() const { return options_; }
+
+  /// Rank 0 writes OUT/summary.json (fit does this itself; call it again to
+  /// add a test-set result).
+  void write_summary(const FitResult& r, const EvalResult* test) const;
+
+ private:
+  void save_checkpoint(const std::filesystem::path& path, int epochs_done,
+                       const std::vector<EpochMetrics>& history, double best,
+                       int best_epoch, int bad_epochs);
+  int try_resume(std::vector<EpochMetrics>& history, double& best,
+                 int& best_epoch, int& bad_epochs);
+  template <class Dataset, class EvalTransform>
+  torch::Tensor eval_sums(const Dataset& set, EvalTransform& tf,
+                          const data::LoaderOptions& lo,
+                          const std::vector<std::size_t>& indices);
+
+  static Model prepare(Model model, const dist::Group& g) {
+    BN::apply(parallel::as_module(model), g);
+    return model;
+  }
+
+  dist::Group group_;
+  TrainerOptions options_;
+  torch::Device device_;
+  engine_type engine_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  CrossEntropy loss_fn_;
+  double loss_scale_ = 65536.0;
+  int good_steps_ = 0;
+
+};
+
+}  // namespace ddpkit::train
+
+#include "ddpkit/train/trainer_impl.hpp"

@@ -1,0 +1,419 @@
+// Bodies of Trainer's members (see trainer.hpp for what they do).
+#pragma once
+
+#include <chrono>
+#include <cmath>
+
+#include "ddpkit/data/loader.hpp"
+
+#define DDPKIT_TRAINER_TEMPLATE                                            \
+  template <class Model, class Parallel, class Sampler, class BN,          \
+            class LRScaling, class Reduction>                              \
+    requires trainable_model<Model> && parallel_policy<Parallel> &&        \
+             sampler_policy<Sampler> && bn_policy<BN> &&                   \
+             lr_scaling_policy<LRScaling> && reduction_policy<Reduction> && \
+             sampler_matches_parallel_policy<Parallel, Sampler> &&         \
+             bn_matches_parallel_policy<Parallel, BN>
+#define DDPKIT_TRAINER Trainer<Model, Parallel, Sampler, BN, LRScaling, Reduction>
+
+namespace ddpkit::train {
+
+DDPKIT_TRAINER_TEMPLATE
+DDPKIT_TRAINER::Trainer(Model model, OptimizerFactory make_optimizer,
+                        TrainerOptions options, dist::Group group,
+                        typename Parallel::options_type parallel_options,
+                        std::optional<torch::Device> device)
+    : group_(std::move(group)),
+      options_(std::move(options)),
+      device_(device.value_or(default_device(group_))),
+      engine_(prepare(std::move(model), group_), group_,
+              std::move(parallel_options), device_) {
+  using ddpkit::detail::cat;
+  if (options_.epochs() < 1) {
+    throw UsageError(cat("epochs ", options_.epochs(), " must be >= 1"));
+  }
+  if (!(options_.lr() > 0)) {
+    throw UsageError(cat("lr ", options_.lr(), " must be > 0"));
+  }
+  if (options_.max_steps() < 0) {
+    throw UsageError(cat("max_steps ", options_.max_steps(), " must be >= 0"));
+  }
+  optimizer_ = make_optimizer(parallel::as_module(engine_.module()).parameters());
+  if (!optimizer_) throw UsageError("the optimizer factory returned nothing");
+}
+
+DDPKIT_TRAINER_TEMPLATE
+template <class Dataset, class EvalTransform>
+torch::Tensor DDPKIT_TRAINER::eval_sums(const Dataset& set, EvalTransform& tf,
+                                        const data::LoaderOptions& lo,
+                                        const std::vector<std::size_t>& indices) {
+  // [loss sum, correct, count] in double, so sums are exact enough to be
+  // identical whichever rank computed them.
+  auto sums = torch::zeros({3}, torch::kFloat64);
+  if (indices.empty()) return sums;
+  torch::NoGradGuard no_grad;
+  torch::nn::Module& module = parallel::as_module(engine_.module());
+  const bool was_training = module.is_training();
+  module.eval();
+  data::Loader loader(set, tf, lo);
+  auto epoch = loader.epoch(indices, 0);
+  while (auto batch = epoch.next()) {
+    torch::Tensor x = batch->data.to(device_);
+    torch::Tensor y = batch->target.to(device_);
+    torch::Tensor out = engine_.forward(x);
+    torch::Tensor loss = torch::nn::functional::cross_entropy(
+        out, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    sums[0] += loss.template item<double>();
+    sums[1] += out.argmax(1).eq(y).sum().template item<double>();
+    sums[2] += static_cast<double>(y.size(0));
+  }
+  module.train(was_training);
+  return sums;
+}
+
+DDPKIT_TRAINER_TEMPLATE
+template <class Dataset, class EvalTransform>
+EvalResult DDPKIT_TRAINER::evaluate(const Dataset& set,
+                                    EvalTransform eval_transform,
+                                    data::LoaderOptions lo) {
+  lo.drop_last(false);
+  lo.rank(group_.rank());
+  const std::size_t n = set.size();
+  torch::Tensor sums;
+  const bool distributed = Parallel::is_multi_process && group_.size() > 1;
+  if (distributed && Reduction::shards_evaluation) {
+    data::DistributedSampling shard(
+        n, {.rank = group_.rank(), .world_size = group_.size()},
+        data::DistributedSamplingOptions().shuffle(false).evaluation(true));
+    sums = eval_sums(set, eval_transform, lo, shard.indices()).to(group_.device());
+    dist::all_reduce(group_, sums);
+  } else {
+    data::SequentialSampling all(n);
+    sums = (!distributed || is_main())
+               ? eval_sums(set, eval_transform, lo, all.indices())
+               : torch::zeros({3}, torch::kFloat64);
+    sums = sums.to(group_.device());
+    if (distributed) dist::broadcast(group_, sums, 0);
+  }
+  sums = sums.cpu();
+  EvalResult r;
+  r.count = static_cast<int64_t>(sums[2].template item<double>());
+  if (r.count > 0) {
+    r.loss = sums[0].template item<double>() / r.count;
+    r.accuracy = sums[1].template item<double>() / r.count;
+  }
+  return r;
+}
+
+DDPKIT_TRAINER_TEMPLATE
+void DDPKIT_TRAINER::save_checkpoint(const std::filesystem::path& path,
+                                     int epochs_done,
+                                     const std::vector<EpochMetrics>& history,
+                                     double best, int best_epoch,
+                                     int bad_epochs) {
+  torch::serialize::OutputArchive archive;
+  archive.write("model", c10::IValue(state_dict(parallel::as_module(engine_.module()))));
+  torch::serialize::OutputArchive opt_archive;
+  optimizer_->save(opt_archive);
+  archive.write("optimizer", opt_archive);
+  auto scalar = [](double v) { return torch::tensor({v}, torch::kFloat64); };
+  archive.write("epochs_done", scalar(epochs_done));
+  archive.write("best_val_acc", scalar(best));
+  archive.write("best_epoch", scalar(best_epoch));
+  archive.write("bad_epochs", scalar(bad_epochs));
+  archive.write("sampler_epoch", scalar(epochs_done));
+  archive.write("world_size", scalar(group_.size()));
+  archive.write("seed", scalar(static_cast<double>(options_.seed())));
+  archive.write("loss_scale", scalar(loss_scale_));
+  auto hist = torch::zeros({static_cast<int64_t>(history.size()), EpochMetrics::kFields},
+                           torch::kFloat64);
+  for (std::size_t i = 0; i < history.size(); ++i) {
+    hist[static_cast<int64_t>(i)] = history[i].to_tensor();
+  }
+  archive.write("history", hist);
+  archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
+  atomic_save(archive, path);
+}
+
+DDPKIT_TRAINER_TEMPLATE
+int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
+                               int& best_epoch, int& bad_epochs) {
+  namespace fs = std::filesystem;
+  const std::string& what = options_.resume();
+  if (what.empty()) return 0;
+  fs::path path = what;
+  if (what == "auto") {
+    path = fs::path(options_.out_dir()) / "checkpoints" / "last.pt";
+    // Every rank must agree on whether there is something to resume.
+    int found = fs::is_regular_file(path) ? 1 : 0;
+    if (Parallel::is_multi_process) {
+      found = dist::all_reduce_value(group_, found, dist::Reduce::min);
+    }
+    if (!found) {
+      if (is_main() && options_.verbose()) {
+        std::printf("resume auto: no checkpoint at %s, starting fresh\n",
+                    path.c_str());
+      }
+      return 0;
+    }
+  }
+  auto archive = open_checkpoint(path);
+  load_module_checked(parallel::as_module(engine_.module()), archive, "model", path);
+  torch::serialize::InputArchive opt_archive;
+  if (!archive.try_read("optimizer", opt_archive)) {
+    throw UsageError(ddpkit::detail::cat("checkpoint ", path.string(),
+                                         " has no optimizer state"));
+  }
+  try {
+    optimizer_->load(opt_archive);
+  } catch (const c10::Error& e) {
+    throw UsageError(ddpkit::detail::cat(
+        "checkpoint ", path.string(), ": optimizer state does not fit this "
+        "optimizer (another optimizer type or model?): ",
+        std::string(e.what_without_backtrace()).substr(0, 200)));
+  }
+  auto read = [&](const char* key) {
+    torch::Tensor t;
+    if (!archive.try_read(key, t)) {
+      throw UsageError(ddpkit::detail::cat("checkpoint ", path.string(),
+                                           " lacks '", key, "'"));
+    }
+    return t.template item<double>();
+  };
+  int done = static_cast<int>(read("epochs_done"));
+  best = read("best_val_acc");
+  best_epoch = static_cast<int>(read("best_epoch"));
+  bad_epochs = static_cast<int>(read("bad_epochs"));
+  loss_scale_ = read("loss_scale");
+  torch::Tensor hist;
+  archive.try_read("history", hist);
+  history.clear();
+  for (int64_t i = 0; hist.defined() && i < hist.size(0); ++i) {
+    history.push_back(EpochMetrics::from_tensor(hist[i]));
+  }
+  if (is_main() && options_.verbose()) {
+    std::printf("resumed from %s after epoch %d (best val_acc %.4f)\n",
+                path.c_str(), done, best);
+  }
+  return done;
+}
+
+DDPKIT_TRAINER_TEMPLATE
+void DDPKIT_TRAINER::write_summary(const FitResult& r,
+                                   const EvalResult* test) const {
+  JsonObject j;
+  j.add("example", options_.run_name())
+      .add("mode", std::string(Parallel::name))
+      .add("world_size", Parallel::is_multi_process ? group_.size() : 1)
+      .add("sampler", std::string(Parallel::is_multi_process ? "distributed" : "local"))
+      .add("bn", std::string(BN::name))
+      .add("lr_scaling", std::string(LRScaling::name))
+      .add("evaluation", std::string(Reduction::name))
+      .add("epochs_run", r.epochs_run)
+      .add("stopped_early", r.stopped_early)
+      .add("best_epoch", r.best_epoch)
+      .add("best_val_acc", r.best_val_acc)
+      .add("final_val_acc", r.history.empty() ? 0.0 : r.history.back().val_acc);
+  if (test) j.add("test_acc", test->accuracy).add("test_loss", test->loss);
+  double images = 0, seconds = 0;
+  for (const auto& m : r.history) {
+    images += m.images_per_second * m.seconds;
+    seconds += m.seconds;
+  }
+  j.add("total_seconds", r.total_seconds)
+      .add("images_per_second", seconds > 0 ? images / seconds : 0.0);
+  detail::write_atomically(std::filesystem::path(options_.out_dir()) / "summary.json",
+                           j.str());
+}
+
+DDPKIT_TRAINER_TEMPLATE
+template <class Dataset, class TrainTransform, class EvalTransform, class Hooks>
+FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
+                              TrainTransform train_transform,
+                              EvalTransform eval_transform,
+                              data::LoaderOptions lo, Hooks&& hooks) {
+  namespace fs = std::filesystem;
+  using clock = std::chrono::steady_clock;
+  const auto fit_start = clock::now();
+  const fs::path out = options_.out_dir();
+  if (is_main()) {
+    std::error_code ec;
+    fs::create_directories(out, ec);
+    if (ec || access(out.c_str(), W_OK) != 0) {
+      throw UsageError(ddpkit::detail::cat("output folder ", out.string(),
+                                           " is not writable"));
+    }
+  }
+  const bool multi = Parallel::is_multi_process && group_.size() > 1;
+  const int rank = Parallel::is_multi_process ? group_.rank() : 0;
+  const int world = Parallel::is_multi_process ? group_.size() : 1;
+  if (multi) {
+    // Ranks holding different datasets would deadlock later: say so now.
+    auto sizes = dist::all_gather_value(group_, static_cast<int64_t>(train.size()));
+    for (int r = 0; r < world; ++r) {
+      if (sizes[r] != sizes[0]) {
+        throw UsageError(ddpkit::detail::cat(
+            "rank ", r, " has ", sizes[r], " training samples but rank 0 has ",
+            sizes[0], "; every rank must read the same dataset"));
+      }
+    }
+  }
+  lo.seed(options_.seed()).rank(rank);
+  Sampler sampler(train.size(), data::ShardSpec{.rank = rank,
+                                                 .world_size = world,
+                                                 .seed = options_.seed(),
+                                                 .drop_last = options_.drop_last()});
+  FitResult result;
+  double best = -1;
+  int best_epoch = 0, bad_epochs = 0;
+  int start = try_resume(result.history, best, best_epoch, bad_epochs);
+  Progress progress(is_main() && options_.verbose());
+  torch::nn::Module& module = parallel::as_module(engine_.module());
+  const int epochs = options_.epochs();
+  data::Loader loader(train, train_transform, lo);
+  for (int epoch = start; epoch < epochs; ++epoch) {
+    const auto t0 = clock::now();
+    const double lr = lr_at<LRScaling>(options_.lr(), world, options_.schedule(),
+                                       epoch, epochs);
+    set_lr(*optimizer_, lr);
+    // Dropout and other in-model randomness: a function of (seed, epoch,
+    // rank) alone, so a resumed run draws exactly what the original did.
+    torch::manual_seed(options_.seed() * 1000003ull + epoch * 7919ull + rank);
+    sampler.set_epoch(static_cast<std::size_t>(epoch));
+    std::vector<std::size_t> indices = sampler.indices();
+    if (options_.max_steps() > 0) {
+      auto cap = static_cast<std::size_t>(options_.max_steps()) * lo.batch_size();
+      if (indices.size() > cap) indices.resize(cap);
+    }
+    if constexpr (requires { hooks.on_epoch_begin(epoch); }) hooks.on_epoch_begin(epoch);
+    module.train();
+    auto batches = loader.epoch(indices, static_cast<std::size_t>(epoch));
+    progress.begin_epoch(epoch + 1, epochs, batches.size());
+    double loss_sum = 0, correct = 0, count = 0;
+    std::size_t step = 0;
+    while (auto batch = batches.next()) {
+      torch::Tensor x = batch->data.to(device_, /*non_blocking=*/true);
+      torch::Tensor y = batch->target.to(device_, /*non_blocking=*/true);
+      optimizer_->zero_grad();
+      const bool amp = options_.mixed_precision() && device_.is_cuda();
+      parallel::StepOutput o;
+      if (amp) {
+#ifdef DDPKIT_HAS_CUDA
+        at::autocast::set_enabled(true);
+#endif
+        const double scale = loss_scale_;
+        o = engine_.forward_backward(x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
+          return loss_fn_(a.to(torch::kFloat32), b) * scale;
+        });
+#ifdef DDPKIT_HAS_CUDA
+        at::autocast::set_enabled(false);
+        at::autocast::clear_cache();
+#endif
+        o.loss = o.loss / scale;
+        // Unscale; skip the step everywhere if any rank overflowed.
+        int overflow = 0;
+        for (auto& p : module.parameters()) {
+          if (!p.grad().defined()) continue;
+          p.mutable_grad().div_(scale);
+          if (!torch::isfinite(p.grad()).all().template item<bool>()) overflow = 1;
+        }
+        if (Parallel::is_multi_process) {
+          overflow = dist::all_reduce_value(group_, overflow, dist::Reduce::max);
+        }
+        if (overflow) {
+          loss_scale_ /= 2;
+          good_steps_ = 0;
+        } else {
+          optimizer_->step();
+          if (++good_steps_ >= 2000) {
+            loss_scale_ *= 2;
+            good_steps_ = 0;
+          }
+        }
+      } else {
+        o = engine_.forward_backward(x, y, loss_fn_);
+        optimizer_->step();
+      }
+      const double n = static_cast<double>(y.size(0));
+      loss_sum += o.loss.template item<double>() * n;
+      correct += o.output.argmax(1).eq(y).sum().template item<double>();
+      count += n;
+      ++step;
+      double secs = std::chrono::duration<double>(clock::now() - t0).count();
+      progress.step(step, loss_sum / count, secs > 0 ? count * world / secs : 0);
+      if constexpr (requires { hooks.on_step_end(StepInfo{}); }) {
+        hooks.on_step_end(StepInfo{epoch, step, o.loss.template item<double>()});
+      }
+    }
+    // Training metrics over every rank's samples.
+    auto t = torch::tensor({loss_sum, correct, count}, torch::kFloat64).to(group_.device());
+    if (multi) dist::all_reduce(group_, t);
+    t = t.cpu();
+    auto ev = evaluate(val, eval_transform, lo);
+    EpochMetrics m;
+    m.epoch = epoch + 1;
+    const double total = t[2].template item<double>();
+    m.train_loss = total > 0 ? t[0].template item<double>() / total : 0;
+    m.train_acc = total > 0 ? t[1].template item<double>() / total : 0;
+    m.val_loss = ev.loss;
+    m.val_acc = ev.accuracy;
+    m.lr = lr;
+    m.seconds = std::chrono::duration<double>(clock::now() - t0).count();
+    if (multi) {
+      // Every rank records rank 0's clock, so all hold identical numbers.
+      m.seconds = dist::broadcast_value(group_, m.seconds, 0);
+    }
+    m.images_per_second = m.seconds > 0 ? total / m.seconds : 0;
+    result.history.push_back(m);
+    // Decisions use only values every rank holds, so every rank decides
+    // the same.
+    const bool improved = m.val_acc > best;
+    if (improved) {
+      best = m.val_acc;
+      best_epoch = m.epoch;
+      bad_epochs = 0;
+    } else {
+      ++bad_epochs;
+    }
+    progress.end_epoch(m);
+    if (is_main()) {
+      if (options_.checkpoints()) {
+        save_checkpoint(out / "checkpoints" / "last.pt", epoch + 1, result.history,
+                        best, best_epoch, bad_epochs);
+        if (improved) {
+          save_checkpoint(out / "checkpoints" / "best.pt", epoch + 1,
+                          result.history, best, best_epoch, bad_epochs);
+        }
+      }
+      if (!options_.weights_pattern().empty()) {
+        std::string rel = options_.weights_pattern();
+        auto at = rel.find("{epoch}");
+        if (at != std::string::npos) rel.replace(at, 7, std::to_string(epoch));
+        auto path = out / rel;
+        fs::create_directories(path.parent_path());
+        auto bytes = torch::pickle_save(c10::IValue(state_dict(module)));
+        detail::write_atomically(path, std::string(bytes.begin(), bytes.end()));
+      }
+      write_metrics_files(out, result.history);
+    }
+    if constexpr (requires { hooks.on_epoch_end(m); }) hooks.on_epoch_end(m);
+    if (options_.patience() > 0 && bad_epochs >= options_.patience()) {
+      result.stopped_early = true;
+      progress.line(ddpkit::detail::cat("early stopping after epoch ", m.epoch,
+                                        ": no better val_acc for ",
+                                        options_.patience(), " epochs"));
+      break;
+    }
+  }
+  result.best_val_acc = std::max(best, 0.0);
+  result.best_epoch = best_epoch;
+  result.epochs_run = static_cast<int>(result.history.size());
+  result.total_seconds = std::chrono::duration<double>(clock::now() - fit_start).count();
+  if (is_main()) write_summary(result, nullptr);
+  return result;
+}
+
+}  // namespace ddpkit::train
+
+#undef DDPKIT_TRAINER_TEMPLATE
+#undef DDPKIT_TRAINER
