@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -41,16 +42,16 @@ inline torch::Tensor normalize(const torch::Tensor& batch, const Rgb& mean,
 }
 
 /// torchvision's `RandomCrop(size, padding)` followed by
-/// `RandomHorizontalFlip(flip_p)` on a whole uint8 batch in one gather:
-/// per image an offset in the zero-padded image and a flip bit.
+/// `RandomHorizontalFlip(flip_p)` on a whole uint8 batch: per image an
+/// offset in the zero-padded image and a flip bit, drawn as three tensors;
+/// the copy is a plain row loop (no padded copy, no index tensor), which is
+/// several times faster than a gather.
 inline torch::Tensor random_crop_flip(const torch::Tensor& batch,
                                       int64_t size, int64_t padding,
                                       double flip_p, torch::Generator& gen) {
   const auto n = batch.size(0), c = batch.size(1);
-  auto padded = padding > 0
-                    ? torch::constant_pad_nd(batch, {padding, padding, padding, padding}, 0)
-                    : batch;
-  const auto hp = padded.size(2), wp = padded.size(3);
+  const auto h = batch.size(2), w = batch.size(3);
+  const auto hp = h + 2 * padding, wp = w + 2 * padding;
   if (hp < size || wp < size) {
     throw UsageError(ddpkit::detail::cat("random_crop_flip: crop ", size,
                                          " is larger than the padded image ",
@@ -59,14 +60,36 @@ inline torch::Tensor random_crop_flip(const torch::Tensor& batch,
   auto i64 = torch::TensorOptions(torch::kInt64);
   auto oy = torch::randint(0, hp - size + 1, {n}, gen, i64);
   auto ox = torch::randint(0, wp - size + 1, {n}, gen, i64);
-  auto flip = torch::rand({n}, gen) < flip_p;
-  auto ar = torch::arange(size, i64);
-  auto cols = torch::where(flip.unsqueeze(1), (size - 1) - ar, ar) + ox.unsqueeze(1);
-  auto rows = oy.unsqueeze(1) + ar;
-  auto idx = (rows.unsqueeze(2) * wp + cols.unsqueeze(1))
-                 .view({n, 1, size * size})
-                 .expand({n, c, size * size});
-  return padded.reshape({n, c, hp * wp}).gather(2, idx).view({n, c, size, size});
+  auto flip = (torch::rand({n}, gen) < flip_p).to(torch::kUInt8);
+  auto src = batch.to(torch::kUInt8).contiguous();
+  auto out = torch::zeros({n, c, size, size}, torch::kUInt8);
+  const auto* in = src.data_ptr<std::uint8_t>();
+  auto* dst = out.data_ptr<std::uint8_t>();
+  const auto* py = oy.data_ptr<int64_t>();
+  const auto* px = ox.data_ptr<int64_t>();
+  const auto* pf = flip.data_ptr<std::uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      // Source column range inside the real image for this crop.
+      const int64_t x0 = px[i] - padding;  // source x of output column 0
+      const int64_t lo = std::max<int64_t>(0, -x0);
+      const int64_t hi = std::min<int64_t>(size, w - x0);
+      for (int64_t ch = 0; ch < c; ++ch) {
+        for (int64_t y = 0; y < size; ++y) {
+          const int64_t sy = py[i] + y - padding;
+          if (sy < 0 || sy >= h || hi <= lo) continue;
+          const std::uint8_t* s = in + ((i * c + ch) * h + sy) * w + x0;
+          std::uint8_t* d = dst + ((i * c + ch) * size + y) * size;
+          if (pf[i]) {
+            for (int64_t x = lo; x < hi; ++x) d[size - 1 - x] = s[x];
+          } else {
+            std::memcpy(d + lo, s + lo, static_cast<std::size_t>(hi - lo));
+          }
+        }
+      }
+    }
+  });
+  return out;
 }
 
 /// Options of `ColorJitter`, torchvision's meaning: a factor is drawn in

@@ -1,0 +1,99 @@
+// Data pipeline throughput: CIFAR batched augmentation (images/s on one
+// thread) and the JPEG folder pipeline (decode + random resized crop + flip
+// + normalise at 224, images/s per worker thread). Compare the JPEG number
+// with scripts/bench_torchvision_loader.py on the same generated folder.
+#include <benchmark/benchmark.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <numeric>
+#include <string>
+
+#include <ddpkit/ddpkit.hpp>
+
+namespace dd = ddpkit::data;
+
+namespace {
+
+/// The folder the JPEG benchmarks read: $DDPKIT_BENCH_JPEG_DIR if set (so
+/// the Python script can read the same files), else a temp folder written
+/// once: 5 classes × 40 images, short side 375 like flower_photos.
+const std::filesystem::path& jpeg_dir() {
+  static const std::filesystem::path dir = [] {
+    const char* env = std::getenv("DDPKIT_BENCH_JPEG_DIR");
+    std::filesystem::path d = env ? env
+                                  : std::filesystem::temp_directory_path() /
+                                        "ddpkit-bench-jpeg";
+    if (!std::filesystem::exists(d / "daisy")) {
+      dd::make_jpeg_folder(d, dd::JpegFolderOptions().images_per_class(40).short_side(375));
+    }
+    return d;
+  }();
+  return dir;
+}
+
+void BM_CifarTrainAugment(benchmark::State& state) {
+  torch::set_num_threads(1);
+  const auto batch = state.range(0);
+  auto set = dd::make_synthetic(dd::SyntheticOptions(batch).seed(1));
+  dd::CifarTrain aug;
+  std::uint64_t seed = 0;
+  for (auto _ : state) {
+    auto gen = dd::make_generator(seed++);
+    benchmark::DoNotOptimize(aug(set.images, gen));
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+  state.counters["images/s"] =
+      benchmark::Counter(double(state.iterations() * batch), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_CifarTrainAugment)->Arg(128)->Arg(256)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+/// One worker thread's pipeline: decode (scaled to >= 256) + random resized
+/// crop 224 + flip + normalise, batches of 32, made synchronously.
+void BM_JpegFolderPipeline(benchmark::State& state) {
+  torch::set_num_threads(1);
+  const bool scaled = state.range(0) != 0;
+  auto folder = dd::read_image_folder(
+      jpeg_dir(), dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1).decode_min_side(
+                      scaled ? 256 : 0));
+  dd::Loader loader(folder.train, dd::ImageNetTrain{}, dd::LoaderOptions(32).workers(0));
+  std::vector<std::size_t> idx(folder.train.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  const auto nb = loader.num_batches(idx.size());
+  std::size_t b = 0, images = 0;
+  for (auto _ : state) {
+    auto batch = loader.make_batch(idx, 0, b++ % nb);
+    images += batch.target.size(0);
+    benchmark::DoNotOptimize(batch.data);
+  }
+  state.SetItemsProcessed(images);
+  state.counters["images/s"] = benchmark::Counter(double(images), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_JpegFolderPipeline)->Arg(0)->Arg(1)->ArgName("scaled_decode")
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+
+/// The same pipeline through the prefetching loader with N worker threads
+/// (images/s overall; divide by N for per-worker).
+void BM_JpegFolderLoader(benchmark::State& state) {
+  torch::set_num_threads(1);
+  const int workers = static_cast<int>(state.range(0));
+  auto folder = dd::read_image_folder(
+      jpeg_dir(), dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
+  dd::Loader loader(folder.train, dd::ImageNetTrain{},
+                    dd::LoaderOptions(32).workers(workers).prefetch(2 * workers));
+  std::vector<std::size_t> idx(folder.train.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::size_t images = 0, epoch = 0;
+  for (auto _ : state) {
+    for (dd::Batch b : loader.epoch(idx, epoch++)) images += b.target.size(0);
+  }
+  state.counters["images/s"] = benchmark::Counter(double(images), benchmark::Counter::kIsRate);
+  state.counters["images/s/worker"] =
+      benchmark::Counter(double(images) / workers, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_JpegFolderLoader)->Arg(1)->Arg(2)->ArgName("workers")
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+
+}  // namespace
+
+BENCHMARK_MAIN();
