@@ -208,7 +208,7 @@ TEST_CASE("checkpoints: bad files are clear errors naming the file and key") {
   // A checkpoint of another model.
   torch::serialize::OutputArchive other;
   torch::nn::Linear lin(3, 4);
-  other.write("model", c10::IValue(train::state_dict(*lin)));
+  other.write("model", c10::IValue(nn::state_dict(*lin)));
   train::atomic_save(other, dir / "other.pt");
   auto archive = train::open_checkpoint(dir / "other.pt");
   TinyNet net;
@@ -216,7 +216,7 @@ TEST_CASE("checkpoints: bad files are clear errors naming the file and key") {
                        doctest::Contains("key 'conv.weight' is missing"), UsageError);
   // Same names, other shapes.
   torch::serialize::OutputArchive shapes;
-  auto sd = train::state_dict(*net);
+  auto sd = nn::state_dict(*net);
   sd.insert_or_assign("fc.weight", torch::zeros({5, 8}));
   shapes.write("model", c10::IValue(sd));
   train::atomic_save(shapes, dir / "shapes.pt");

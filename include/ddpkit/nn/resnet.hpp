@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/nn/batch_norm.hpp"
 
 namespace ddpkit::nn {
 
@@ -37,14 +38,14 @@ class BasicBlockImpl : public torch::nn::Cloneable<BasicBlockImpl> {
   }
   void reset() override {
     conv1 = register_module("conv1", detail::conv3x3(inplanes_, planes_, stride_));
-    bn1 = register_module("bn1", torch::nn::BatchNorm2d(planes_));
+    bn1 = register_module("bn1", ddpkit::nn::BatchNorm2d(planes_));
     conv2 = register_module("conv2", detail::conv3x3(planes_, planes_));
-    bn2 = register_module("bn2", torch::nn::BatchNorm2d(planes_));
+    bn2 = register_module("bn2", ddpkit::nn::BatchNorm2d(planes_));
     if (has_down_) {
       downsample = register_module(
           "downsample",
           torch::nn::Sequential(detail::conv1x1(inplanes_, planes_ * expansion, stride_),
-                                torch::nn::BatchNorm2d(planes_ * expansion)));
+                                ddpkit::nn::BatchNorm2d(planes_ * expansion)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -55,7 +56,7 @@ class BasicBlockImpl : public torch::nn::Cloneable<BasicBlockImpl> {
   }
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  ddpkit::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
   torch::nn::Sequential downsample{nullptr};
 
  private:
@@ -75,16 +76,16 @@ class BottleneckImpl : public torch::nn::Cloneable<BottleneckImpl> {
   }
   void reset() override {
     conv1 = register_module("conv1", detail::conv1x1(inplanes_, planes_));
-    bn1 = register_module("bn1", torch::nn::BatchNorm2d(planes_));
+    bn1 = register_module("bn1", ddpkit::nn::BatchNorm2d(planes_));
     conv2 = register_module("conv2", detail::conv3x3(planes_, planes_, stride_));
-    bn2 = register_module("bn2", torch::nn::BatchNorm2d(planes_));
+    bn2 = register_module("bn2", ddpkit::nn::BatchNorm2d(planes_));
     conv3 = register_module("conv3", detail::conv1x1(planes_, planes_ * expansion));
-    bn3 = register_module("bn3", torch::nn::BatchNorm2d(planes_ * expansion));
+    bn3 = register_module("bn3", ddpkit::nn::BatchNorm2d(planes_ * expansion));
     if (has_down_) {
       downsample = register_module(
           "downsample",
           torch::nn::Sequential(detail::conv1x1(inplanes_, planes_ * expansion, stride_),
-                                torch::nn::BatchNorm2d(planes_ * expansion)));
+                                ddpkit::nn::BatchNorm2d(planes_ * expansion)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -96,7 +97,7 @@ class BottleneckImpl : public torch::nn::Cloneable<BottleneckImpl> {
   }
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
-  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  ddpkit::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
   torch::nn::Sequential downsample{nullptr};
 
  private:
@@ -146,7 +147,7 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
     inplanes_ = 64;
     conv1 = register_module(
         "conv1", tnn::Conv2d(tnn::Conv2dOptions(3, 64, 7).stride(2).padding(3).bias(false)));
-    bn1 = register_module("bn1", tnn::BatchNorm2d(64));
+    bn1 = register_module("bn1", ddpkit::nn::BatchNorm2d(64));
     layer1 = register_module("layer1", make_layer(64, options.layers()[0], 1));
     layer2 = register_module("layer2", make_layer(128, options.layers()[1], 2));
     layer3 = register_module("layer3", make_layer(256, options.layers()[2], 2));
@@ -157,7 +158,7 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
     for (auto& m : modules(/*include_self=*/false)) {
       if (auto* conv = m->as<tnn::Conv2d>()) {
         tnn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
-      } else if (auto* bn = m->as<tnn::BatchNorm2d>()) {
+      } else if (auto* bn = m->as<ddpkit::nn::BatchNorm2d>()) {
         tnn::init::ones_(bn->weight);
         tnn::init::zeros_(bn->bias);
       }
@@ -182,7 +183,7 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
 
   ResNetOptions options;
   torch::nn::Conv2d conv1{nullptr};
-  torch::nn::BatchNorm2d bn1{nullptr};
+  ddpkit::nn::BatchNorm2d bn1{nullptr};
   torch::nn::Sequential layer1{nullptr}, layer2{nullptr}, layer3{nullptr},
       layer4{nullptr};
   torch::nn::Linear fc{nullptr};

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/nn/state_dict.hpp"
 
 namespace ddpkit::train {
 
@@ -88,16 +89,8 @@ inline torch::serialize::InputArchive open_checkpoint(
   return archive;
 }
 
-/// A module's parameters and buffers by their dotted names ("layer1.0.conv1.weight").
-inline c10::Dict<std::string, torch::Tensor> state_dict(torch::nn::Module& m) {
-  c10::Dict<std::string, torch::Tensor> d;
-  for (auto& p : m.named_parameters()) d.insert(p.key(), p.value().detach());
-  for (auto& b : m.named_buffers()) d.insert(b.key(), b.value().detach());
-  return d;
-}
-
 /// Loads a module's state from `archive[key]` (a dict written from
-/// `state_dict`), checking every parameter and buffer: a missing key or a
+/// `nn::state_dict`), checking every parameter and buffer: a missing key or a
 /// shape mismatch is an error naming the file and the first such key.
 inline void load_module_checked(torch::nn::Module& module,
                                 torch::serialize::InputArchive& archive,

@@ -112,7 +112,7 @@ void DDPKIT_TRAINER::save_checkpoint(const std::filesystem::path& path,
                                      double best, int best_epoch,
                                      int bad_epochs) {
   torch::serialize::OutputArchive archive;
-  archive.write("model", c10::IValue(state_dict(parallel::as_module(engine_.module()))));
+  archive.write("model", c10::IValue(nn::state_dict(parallel::as_module(engine_.module()))));
   torch::serialize::OutputArchive opt_archive;
   optimizer_->save(opt_archive);
   archive.write("optimizer", opt_archive);
@@ -391,7 +391,7 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         if (at != std::string::npos) rel.replace(at, 7, std::to_string(epoch));
         auto path = out / rel;
         fs::create_directories(path.parent_path());
-        auto bytes = torch::pickle_save(c10::IValue(state_dict(module)));
+        auto bytes = torch::pickle_save(c10::IValue(nn::state_dict(module)));
         detail::write_atomically(path, std::string(bytes.begin(), bytes.end()));
       }
       write_metrics_files(out, result.history);
