@@ -161,12 +161,15 @@ concept trainable_model = is_module_pointer<M> && has_tensor_forward<M>;
 template <class Parallel, class Sampler>
 concept sampler_matches_parallel_policy =
     parallel_policy<Parallel> && sampler_policy<Sampler> &&
+    // Fix: DDP takes DistributedSampling; SingleDevice/DataParallel take
+    // RandomSampling or SequentialSampling.
     (Parallel::is_multi_process == Sampler::is_distributed);
 
 /// Synchronised batch norm needs several processes to synchronise.
 template <class Parallel, class BN>
 concept bn_matches_parallel_policy =
     parallel_policy<Parallel> && bn_policy<BN> &&
+    // Fix: SyncBN needs a multi-process policy (DDP); use PlainBN otherwise.
     (!BN::is_synchronized || Parallel::is_multi_process);
 
 }  // namespace ddpkit

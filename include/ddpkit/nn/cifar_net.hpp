@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/nn/batch_norm.hpp"
+
 namespace ddpkit::nn {
 
 /// Options of `CifarNet`.
@@ -58,7 +60,7 @@ class CifarNetImpl : public torch::nn::Cloneable<CifarNetImpl> {
     const auto w = options.width();
     auto block = [](tnn::Sequential& s, int64_t in, int64_t out) {
       s->push_back(tnn::Conv2d(tnn::Conv2dOptions(in, out, 3).padding(1).bias(false)));
-      s->push_back(tnn::BatchNorm2d(out));
+      s->push_back(ddpkit::nn::BatchNorm2d(out));
       s->push_back(tnn::ReLU(tnn::ReLUOptions(true)));
       s->push_back(tnn::MaxPool2d(2));
     };

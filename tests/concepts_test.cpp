@@ -1,0 +1,85 @@
+// The policy concepts as a wall of positive and negative static_asserts:
+// every shipped policy satisfies its concept, nothing satisfies one by
+// accident, and the combination rules accept exactly the right pairs.
+#include "support.hpp"
+#include "ddpkit/ddpkit.hpp"
+
+using namespace ddpkit;
+
+namespace {
+struct NotAPolicy {};
+struct LooksLikeParallelButNoTag {
+  static constexpr bool is_multi_process = true;
+  static constexpr bool is_multi_replica = false;
+};
+struct MyScaling {  // a user policy, written from NoScaling's template
+  using lr_scaling_concept = lr_scaling_tag;
+  static double scale(double lr, int w) { return lr * (1 + 0.5 * (w - 1)); }
+};
+using Holder = nn::CifarNet;
+using Ptr = std::shared_ptr<nn::CifarNetImpl>;
+}  // namespace
+
+// parallel policies
+static_assert(parallel_policy<SingleDevice>);
+static_assert(parallel_policy<DataParallel>);
+static_assert(parallel_policy<DDP>);
+static_assert(parallel_policy<DDPFp16>);
+static_assert(parallel_policy<DDPBf16>);
+static_assert(multi_process_policy<DDP>);
+static_assert(!multi_process_policy<SingleDevice>);
+static_assert(!multi_process_policy<DataParallel>);
+static_assert(!parallel_policy<NotAPolicy>);
+static_assert(!parallel_policy<LooksLikeParallelButNoTag>);
+static_assert(!parallel_policy<RandomSampling>);
+static_assert(is_parallel_policy_v<DDP>);
+// samplers
+static_assert(sampler_policy<SequentialSampling>);
+static_assert(sampler_policy<RandomSampling>);
+static_assert(sampler_policy<DistributedSampling>);
+static_assert(sharding_sampler<DistributedSampling>);
+static_assert(!sharding_sampler<RandomSampling>);
+static_assert(!sampler_policy<NotAPolicy>);
+static_assert(!sampler_policy<DDP>);
+// BN policies
+static_assert(bn_policy<PlainBN>);
+static_assert(bn_policy<SyncBN>);
+static_assert(!bn_policy<NotAPolicy>);
+static_assert(!bn_policy<nn::BatchNorm2d>);
+// LR scaling
+static_assert(lr_scaling_policy<NoScaling>);
+static_assert(lr_scaling_policy<LinearScaling>);
+static_assert(lr_scaling_policy<SqrtScaling>);
+static_assert(lr_scaling_policy<MyScaling>);
+static_assert(!lr_scaling_policy<NotAPolicy>);
+// reduction
+static_assert(reduction_policy<RankZeroEval>);
+static_assert(reduction_policy<ShardedEval>);
+static_assert(!reduction_policy<PlainBN>);
+// models
+static_assert(trainable_model<Holder>);
+static_assert(trainable_model<Ptr>);
+static_assert(trainable_model<nn::ResNet>);
+static_assert(!trainable_model<int>);
+static_assert(!trainable_model<std::shared_ptr<torch::nn::Module>>);  // no forward
+// combinations
+static_assert(sampler_matches_parallel_policy<DDP, DistributedSampling>);
+static_assert(sampler_matches_parallel_policy<SingleDevice, RandomSampling>);
+static_assert(sampler_matches_parallel_policy<DataParallel, SequentialSampling>);
+static_assert(!sampler_matches_parallel_policy<SingleDevice, DistributedSampling>);
+static_assert(!sampler_matches_parallel_policy<DDP, RandomSampling>);
+static_assert(bn_matches_parallel_policy<DDP, SyncBN>);
+static_assert(bn_matches_parallel_policy<DDP, PlainBN>);
+static_assert(bn_matches_parallel_policy<SingleDevice, PlainBN>);
+static_assert(!bn_matches_parallel_policy<SingleDevice, SyncBN>);
+static_assert(!bn_matches_parallel_policy<DataParallel, SyncBN>);
+// the named combinations are valid types
+static_assert(std::is_class_v<DDPTrainer<Holder, SyncBN, LinearScaling, ShardedEval>>);
+static_assert(std::is_class_v<SingleDeviceTrainer<Holder>>);
+static_assert(std::is_class_v<DataParallelTrainer<nn::ResNet>>);
+
+TEST_SUITE("train") {
+TEST_CASE("a user LR-scaling policy plugs in") {
+  CHECK(train::lr_at<MyScaling>(0.1, 3, {}, 0, 1) == doctest::Approx(0.2));
+}
+}
