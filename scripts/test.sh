@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs ddpkit's dependencies (Debian packages; nothing when present),
+# builds everything, and runs the whole test suite. This is the README's
+# test command and exactly what CI runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/install-deps.sh
+build=${DDPKIT_BUILD_DIR:-build}
+jobs=${DDPKIT_JOBS:-$(nproc)}
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DDDPKIT_BUILD_TESTS=ON -DDDPKIT_BUILD_EXAMPLES=ON -DDDPKIT_BUILD_BENCHMARKS=ON
+cmake --build "$build" -j "$jobs"
+# Multi-process tests pin one intra-op thread per rank themselves.
+cd "$build"
+ctest --output-on-failure -j "$jobs" --timeout 900
