@@ -1,0 +1,343 @@
+// DDP cost and scaling. Each multi-process entry spawns a world of ranks
+// (this binary again, one intra-op thread each) that train on a fixed
+// random batch; rank 0 reports per-step times and the time spent waiting
+// for communication after backward.
+//
+//   overhead/<model>/world:N/round:R   step at world 2 over world 1 (issue 3)
+//   scaling/<model>/world:N            throughput at 1, 2, 4, 8 workers
+//   buckets/<model>/cap_mib:C | flat   reducer bucket cap sweep against one
+//                                      all-reduce of a flat buffer after
+//                                      backward
+//   local/<kind>/<model>               in one process: bare model, world-1
+//                                      engine, reducer hooks without comm
+//
+// Launcher flags (before Google Benchmark's): --quick, --sections=a,b,...
+// (overhead, scaling, buckets, local), --rounds=N, --round-id=K,
+// --worlds=1,2,4,8.
+#include <sstream>
+
+#include "bench_common.hpp"
+
+namespace b = ddpkit_bench;
+namespace dp = ddpkit::parallel;
+namespace dd = ddpkit::dist;
+
+namespace {
+
+constexpr int64_t kMiB = 1024 * 1024;
+constexpr int64_t kClasses = 10;
+
+torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+Batch make_batch(const b::Args& a, int rank, torch::Device dev) {
+  torch::manual_seed(1234 + rank);
+  auto batch = static_cast<int64_t>(a.num("batch", 8));
+  auto image = static_cast<int64_t>(a.num("image", 64));
+  return {torch::randn({batch, 3, image, image}).to(dev),
+          torch::randint(kClasses, {batch}, torch::kLong).to(dev)};
+}
+
+torch::optim::SGD make_sgd(torch::nn::Module& m) {
+  return torch::optim::SGD(m.parameters(),
+                           torch::optim::SGDOptions(0.01).momentum(0.9));
+}
+
+/// Fills the common result fields from per-step times and waits.
+b::Values summarize(const std::vector<double>& steps,
+                    const std::vector<double>& waits, int world,
+                    const b::Args& a) {
+  std::vector<double> frac;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    frac.push_back(i < waits.size() && steps[i] > 0 ? waits[i] / steps[i] : 0);
+  }
+  const double med = b::median(steps);
+  const double batch = a.num("batch", 8);
+  return {{"time_s", med},
+          {"step_ms", 1e3 * med},
+          {"step_ms_mean", 1e3 * b::mean(steps)},
+          {"step_ms_min", 1e3 * *std::min_element(steps.begin(), steps.end())},
+          {"step_ms_max", 1e3 * *std::max_element(steps.begin(), steps.end())},
+          {"wait_ms", 1e3 * b::median(waits)},
+          {"wait_frac", b::median(frac)},
+          {"images_per_s", world * batch / med},
+          {"world", double(world)},
+          {"batch", batch},
+          {"image", a.num("image", 64)},
+          {"steps", double(steps.size())},
+          {"cores", double(std::thread::hardware_concurrency())}};
+}
+
+/// Rank task `train`: the DDP engine (`--mode=ddp`) or the bare model plus
+/// one flat all-reduce after backward (`--mode=flat`).
+template <class Model>
+b::Values train(Model model, const dd::Group& g, const b::Args& a) {
+  const auto dev = b::rank_device(g);
+  const int warmup = static_cast<int>(a.num("warmup", 3));
+  const int steps = static_cast<int>(a.num("steps", 10));
+  const auto mode = a.str("mode", "ddp");
+  auto data = make_batch(a, g.rank(), dev);
+  std::vector<double> times, waits;
+  int64_t grad_bytes = b::gradient_bytes(*model);
+  double buckets = 0;
+
+  if (mode == "ddp") {
+    auto ro = dp::ReducerOptions()
+                  .bucket_cap_bytes(static_cast<int64_t>(
+                      a.num("bucket_mib", 25) * kMiB))
+                  .first_bucket_cap_bytes(static_cast<int64_t>(
+                      a.num("first_bucket_mib", 1) * kMiB));
+    dp::DDP::engine<Model> eng(model, g, dp::DDPOptions().reducer(ro), dev);
+    auto opt = make_sgd(*eng.module());
+    if (eng.reducer()) buckets = double(eng.reducer()->buckets().size());
+    dd::barrier(g);
+    for (int i = 0; i < warmup + steps; ++i) {
+      auto t0 = b::clock::now();
+      opt.zero_grad();
+      auto out = eng.forward_backward(data.x, data.y, loss_fn);
+      opt.step();
+      b::sync_device(out.loss);
+      double dt = b::seconds_since(t0);
+      if (i >= warmup) {
+        times.push_back(dt);
+        waits.push_back(eng.last_wait_seconds());
+      }
+    }
+  } else if (mode == "flat") {
+    model->to(dev);
+    std::vector<torch::Tensor> params;
+    for (auto& p : model->parameters()) params.push_back(p);
+    for (auto& p : params) {  // same start everywhere, like the engine
+      torch::NoGradGuard ng;
+      dd::broadcast(g, p, 0);
+    }
+    auto opt = make_sgd(*model);
+    int64_t numel = 0;
+    for (auto& p : params) numel += p.numel();
+    auto flat = torch::zeros({numel}, params[0].options());
+    dd::barrier(g);
+    for (int i = 0; i < warmup + steps; ++i) {
+      auto t0 = b::clock::now();
+      opt.zero_grad();
+      auto loss = loss_fn(model->forward(data.x), data.y);
+      loss.backward();
+      auto tw = b::clock::now();
+      {
+        torch::NoGradGuard ng;
+        int64_t off = 0;
+        for (auto& p : params) {
+          flat.narrow(0, off, p.numel()).view_as(p).copy_(p.grad());
+          off += p.numel();
+        }
+        flat.div_(g.size());
+        dd::all_reduce(g, flat);
+        off = 0;
+        for (auto& p : params) {
+          p.mutable_grad().copy_(flat.narrow(0, off, p.numel()).view_as(p));
+          off += p.numel();
+        }
+      }
+      double wait = b::seconds_since(tw);
+      opt.step();
+      b::sync_device(loss);
+      double dt = b::seconds_since(t0);
+      if (i >= warmup) {
+        times.push_back(dt);
+        waits.push_back(wait);
+      }
+    }
+    buckets = 1;
+  } else {
+    throw std::runtime_error("unknown --mode=" + mode);
+  }
+  auto v = summarize(times, waits, g.size(), a);
+  v["grad_bytes"] = double(grad_bytes);
+  v["buckets"] = buckets;
+  return v;
+}
+
+int rank_main(int argc, char** argv) {
+  b::Args a(argc, argv);
+  torch::set_num_threads(static_cast<int>(a.num("threads", 1)));
+  auto g = dd::Group::init(dd::read_env());
+  auto v = b::with_model(a.str("model", "resnet18"), [&](auto m) {
+    return train(std::move(m), g, a);
+  });
+  b::write_values(g, v);
+  return 0;
+}
+
+// ---- in-process entries (real Google Benchmark loops) ----
+
+enum class Local { bare, engine_world1, reducer_no_comm };
+
+template <class Model>
+void local_step(benchmark::State& st, Model model, Local kind,
+                const b::ModelSpec& spec) {
+  torch::set_num_threads(1);
+  b::Args a(0, nullptr);
+  torch::manual_seed(1);
+  auto x = torch::randn({spec.batch, 3, spec.image, spec.image});
+  auto y = torch::randint(kClasses, {spec.batch}, torch::kLong);
+  auto run = [&](auto&& step) {
+    for (int i = 0; i < 2; ++i) step();  // warm-up
+    for (auto _ : st) step();
+    st.counters["images_per_s"] = benchmark::Counter(
+        double(st.iterations() * spec.batch), benchmark::Counter::kIsRate);
+  };
+  if (kind == Local::engine_world1) {
+    dp::DDP::engine<Model> eng(model, dd::Group(), dp::DDPOptions(),
+                               torch::kCPU);
+    st.counters["has_reducer"] = eng.reducer() != nullptr;
+    auto opt = make_sgd(*eng.module());
+    run([&] {
+      opt.zero_grad();
+      eng.forward_backward(x, y, loss_fn);
+      opt.step();
+    });
+    return;
+  }
+  auto opt = make_sgd(*model);
+  std::unique_ptr<dp::Reducer<b::NullComm>> reducer;
+  if (kind == Local::reducer_no_comm) {
+    std::vector<torch::Tensor> params;
+    std::vector<std::string> names;
+    for (auto& p : model->named_parameters()) {
+      names.push_back(p.key());
+      params.push_back(p.value());
+    }
+    reducer = std::make_unique<dp::Reducer<b::NullComm>>(params, names,
+                                                          dd::Group());
+    st.counters["buckets"] = double(reducer->buckets().size());
+  }
+  run([&] {
+    opt.zero_grad();
+    loss_fn(model->forward(x), y).backward();
+    opt.step();
+  });
+}
+
+std::vector<int> parse_ints(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));
+  return out;
+}
+
+bool wants(const std::string& sections, const std::string& s) {
+  return sections == "all" ||
+         ("," + sections + ",").find("," + s + ",") != std::string::npos;
+}
+
+std::string itos(double x) { return std::to_string(static_cast<long long>(x)); }
+
+void register_all(const b::Args& o) {
+  const bool quick = o.has("quick");
+  const auto sections = o.str("sections", "all");
+  const int rounds = static_cast<int>(o.num("rounds", quick ? 1 : 3));
+  const int round0 = static_cast<int>(o.num("round-id", 1));
+  // Step counts are per world; cifarnet steps are short, so it gets more.
+  auto steps_for = [&](const std::string& model, bool scaling) {
+    int s = model == "cifarnet" ? 40 : 12;
+    if (scaling) s = model == "cifarnet" ? 20 : 5;
+    if (!quick) s *= 2;
+    return std::vector<std::string>{"--steps=" + std::to_string(s),
+                                    "--warmup=3"};
+  };
+  auto cat = [](std::vector<std::string> a, const std::vector<std::string>& c) {
+    a.insert(a.end(), c.begin(), c.end());
+    return a;
+  };
+  const std::vector<b::ModelSpec> overhead_models{{"resnet18", 64, 8},
+                                                  {"cifarnet", 32, 32}};
+  const std::vector<b::ModelSpec> scaling_models{{"resnet34", 64, 8},
+                                                 {"cifarnet", 32, 32}};
+
+  if (wants(sections, "overhead")) {
+    for (int r = round0; r < round0 + rounds; ++r) {
+      for (auto& m : overhead_models) {
+        for (int w : {1, 2}) {
+          if (w > b::max_world()) continue;
+          b::register_world("overhead/" + m.label() + "/world:" +
+                                std::to_string(w) + "/round:" +
+                                std::to_string(r),
+                            w, cat(m.args(), steps_for(m.name, false)),
+                            b::all_counters);
+        }
+      }
+    }
+  }
+  if (wants(sections, "buckets")) {
+    b::ModelSpec m{"resnet18", 64, 8};
+    for (double cap : {1, 5, 25, 100}) {
+      b::register_world(
+          "buckets/" + m.label() + "/cap_mib:" + itos(cap), 2,
+          cat(cat(m.args(), steps_for(m.name, false)),
+              {"--mode=ddp", "--bucket_mib=" + std::to_string(cap)}),
+          b::all_counters);
+    }
+    b::register_world("buckets/" + m.label() + "/flat", 2,
+                      cat(cat(m.args(), steps_for(m.name, false)),
+                          {"--mode=flat"}),
+                      b::all_counters);
+  }
+  if (wants(sections, "scaling")) {
+    for (auto& m : scaling_models) {
+      for (int w : parse_ints(o.str("worlds", "1,2,4,8"))) {
+        if (w > b::max_world()) continue;
+        b::register_world("scaling/" + m.label() + "/world:" +
+                              std::to_string(w),
+                          w, cat(m.args(), steps_for(m.name, true)),
+                          b::all_counters);
+      }
+    }
+  }
+  if (wants(sections, "local")) {
+    for (auto& m : overhead_models) {
+      for (auto [kind, label] :
+           {std::pair{Local::bare, "bare"},
+            std::pair{Local::engine_world1, "ddp_engine_world1"},
+            std::pair{Local::reducer_no_comm, "reducer_hooks_no_comm"}}) {
+        benchmark::RegisterBenchmark(
+            ("local/" + std::string(label) + "/" + m.label()).c_str(),
+            [kind = kind, m](benchmark::State& st) {
+              b::with_model(m.name, [&](auto model) {
+                local_step(st, std::move(model), kind, m);
+                return 0;
+              });
+            })
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(quick ? 0.5 : 2.0)
+            ->UseRealTime();
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (ddpkit::dist::is_spawned_rank()) {
+    try {
+      return rank_main(argc, argv);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ddp_bench rank: %s\n", e.what());
+      return 1;
+    }
+  }
+  auto own = b::take_own_flags(argc, argv,
+                               {"quick", "sections", "rounds", "round-id",
+                                "worlds"});
+  register_all(own);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
