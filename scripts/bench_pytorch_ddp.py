@@ -89,8 +89,11 @@ def rank_main(rank, world, port, spec, out_path):
         loss.backward()
         opt.step()
         dt = time.perf_counter() - t0
+        if i == spec["warmup"] - 1:
+            cpu0 = time.process_time()
         if i >= spec["warmup"]:
             times.append(dt)
+    cpu_ms = 1e3 * (time.process_time() - cpu0) / len(times)
     rec = {}
     if world > 1:
         try:  # PyTorch samples these itself (CPU timer; may be absent)
@@ -107,6 +110,7 @@ def rank_main(rank, world, port, spec, out_path):
             "step_ms": 1e3 * med,
             "step_ms_mean": 1e3 * statistics.fmean(times),
             "step_ms_min": 1e3 * min(times),
+            "cpu_ms_per_step": cpu_ms,
             "step_ms_max": 1e3 * max(times),
             "images_per_s": world * b / med,
             "steps": len(times),
