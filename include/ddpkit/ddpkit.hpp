@@ -3,6 +3,8 @@
 // mode chosen by a type. This header is the whole public API.
 #pragma once
 
+#include <type_traits>
+
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/data.hpp"
 #include "ddpkit/dist.hpp"
@@ -30,6 +32,24 @@ using train::ShardedEval;
 using train::SqrtScaling;
 using train::Trainer;
 using train::TrainerOptions;
+
+/// The sampler a parallel policy needs: sharded for multi-process policies,
+/// shuffled otherwise.
+template <parallel_policy Mode>
+using sampling_for = std::conditional_t<Mode::is_multi_process,
+                                        DistributedSampling, RandomSampling>;
+/// SyncBN where the policy can synchronise, plain BN otherwise.
+template <parallel_policy Mode>
+using sync_bn_for = std::conditional_t<Mode::is_multi_process, SyncBN, PlainBN>;
+
+/// A policy's default options, with DataParallel's replica count set to
+/// `devices` (other policies ignore it).
+template <parallel_policy Mode>
+typename Mode::options_type parallel_options(int devices) {
+  typename Mode::options_type o;
+  if constexpr (requires { o.replicas(devices); }) o.replicas(devices);
+  return o;
+}
 
 /// The common combinations, named.
 template <class Model, class BN = PlainBN, class Scaling = NoScaling,

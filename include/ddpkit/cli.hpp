@@ -1,0 +1,76 @@
+// The command line shared by ddpkit's examples and by programs modelled on
+// them (CLI11, with an optional --config FILE holding the same keys). Bad
+// values are a message and exit code 2. Include it explicitly: it needs
+// CLI11 (Debian: libcli11-dev), which the rest of ddpkit does not.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include <torch/torch.h>
+
+namespace ddpkit::cli {
+
+/// Flags every example understands (see each example's README).
+struct CommonArgs {
+  std::string data;           ///< --data DIR (empty: built-in synthetic data)
+  std::string out;            ///< --out DIR (default runs/<example>-<mode>)
+  int epochs = 30;
+  int batch_size = 64;        ///< per rank
+  double lr = 1e-3;
+  int world_size = 0;         ///< self-spawn this many ranks (ddp builds)
+  int devices = 2;            ///< DataParallel replicas
+  std::uint64_t seed = 42;
+  std::string resume;         ///< PATH or auto
+  std::int64_t max_steps = 0; ///< cap on steps per epoch
+  int threads = 1;            ///< intra-op threads per rank
+  int workers = 2;            ///< loader threads
+  bool quiet = false;
+};
+
+/// Adds the common flags to `app`, with `args`' current values as defaults.
+inline void add_common_options(CLI::App& app, CommonArgs& args) {
+  app.set_config("--config", "", "read these options from a TOML/INI file");
+  app.add_option("--data", args.data, "dataset folder (default: built-in synthetic data)");
+  app.add_option("--out", args.out, "output folder (default runs/<example>-<mode>)");
+  app.add_option("--epochs", args.epochs, "epochs")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch-size", args.batch_size, "batch size per rank")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr", args.lr, "base learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--world-size", args.world_size,
+                 "start this many ranks on this machine (ddp builds; otherwise "
+                 "the launcher's environment decides)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--devices", args.devices, "DataParallel replicas (dp builds)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--seed", args.seed, "seed")->capture_default_str();
+  app.add_option("--resume", args.resume, "checkpoint PATH, or auto (OUT/checkpoints/last.pt)");
+  app.add_option("--max-steps", args.max_steps, "cap on steps per epoch (0: none)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--threads", args.threads, "intra-op threads per rank")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--workers", args.workers, "data loader threads")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_flag("--quiet", args.quiet, "no per-epoch output");
+}
+
+/// Parses; on a bad value prints the reason and returns 2, on --help
+/// prints the help and returns 0; nullopt means go on.
+inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "error: %s\nRun with --help for the options.\n", e.what());
+    return 2;
+  }
+  return std::nullopt;
+}
+
+}  // namespace ddpkit::cli

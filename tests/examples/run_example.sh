@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs one example binary small and checks what it left behind:
+#   run_example.sh BINARY OUT_DIR MIN_VAL_ACC [example args...]
+# Fails unless it exits 0, leaves exactly one summary/metrics set in OUT_DIR,
+# one metrics row per epoch, and ends with val_acc >= MIN_VAL_ACC.
+set -euo pipefail
+bin=$1 out=$2 min_acc=$3
+shift 3
+rm -rf "$out"
+start=$(date +%s)
+"$bin" --out "$out" "$@"
+echo "$(basename "$bin"): $(( $(date +%s) - start )) s"
+for f in summary.json metrics.jsonl metrics.csv; do
+  [[ -f $out/$f ]] || { echo "missing $out/$f"; exit 1; }
+done
+# Exactly one set of outputs: no per-rank copies anywhere below OUT.
+n=$(find "$out" -name 'summary*.json' | wc -l)
+[[ $n == 1 ]] || { echo "expected one summary.json, found $n"; exit 1; }
+epochs=$(grep -c '"epoch"' "$out/metrics.jsonl")
+run=$(sed -n 's/.*"epochs_run": \([0-9]*\).*/\1/p' "$out/summary.json")
+[[ $epochs == "$run" ]] || { echo "metrics rows $epochs != epochs_run $run"; exit 1; }
+acc=$(sed -n 's/.*"final_val_acc": \([0-9.e-]*\).*/\1/p' "$out/summary.json")
+cat "$out/summary.json"
+awk -v a="$acc" -v m="$min_acc" 'BEGIN { if (a + 0 < m + 0) { printf "final val_acc %s below %s\n", a, m; exit 1 } }'
+echo "final val_acc $acc >= $min_acc"
