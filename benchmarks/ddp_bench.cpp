@@ -8,11 +8,14 @@
 //   buckets/<model>/cap_mib:C | flat   reducer bucket cap sweep against one
 //                                      all-reduce of a flat buffer after
 //                                      backward
+//   decompose/<model>/world:2/mode:M  world 2 with no communication (bare),
+//                                      reducer without sending (ddp_nocomm),
+//                                      full DDP, flat all-reduce
 //   local/<kind>/<model>               in one process: bare model, world-1
 //                                      engine, reducer hooks without comm
 //
 // Launcher flags (before Google Benchmark's): --quick, --sections=a,b,...
-// (overhead, scaling, buckets, local), --rounds=N, --round-id=K,
+// (overhead, decompose, scaling, buckets, local), --rounds=N, --round-id=K,
 // --worlds=1,2,4,8.
 #include <sys/resource.h>
 
@@ -31,11 +34,11 @@ constexpr int64_t kClasses = 10;
 
 /// CPU seconds this process has used (every thread: compute, autograd,
 /// gloo). Unlike wall time it barely moves when other jobs share the cores.
-double cpu_seconds() {
+double cpu_seconds(bool kernel_only = false) {
   rusage u{};
   ::getrusage(RUSAGE_SELF, &u);
-  return u.ru_utime.tv_sec + u.ru_stime.tv_sec +
-         1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  double sys = u.ru_stime.tv_sec + 1e-6 * u.ru_stime.tv_usec;
+  return kernel_only ? sys : sys + u.ru_utime.tv_sec + 1e-6 * u.ru_utime.tv_usec;
 }
 
 torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& y) {
@@ -84,8 +87,46 @@ b::Values summarize(const std::vector<double>& steps,
           {"cores", double(std::thread::hardware_concurrency())}};
 }
 
-/// Rank task `train`: the DDP engine (`--mode=ddp`) or the bare model plus
-/// one flat all-reduce after backward (`--mode=flat`).
+/// Timed steps through a DDP-like engine; returns the number of buckets.
+template <class Policy, class Model>
+double ddp_steps(Model model, const dd::Group& g, const b::Args& a,
+                 const Batch& data, int warmup, int steps,
+                 std::vector<double>& times, std::vector<double>& waits,
+                 double& cpu0, double& sys0) {
+  const auto dev = b::rank_device(g);
+  auto ro = dp::ReducerOptions()
+                .bucket_cap_bytes(
+                    static_cast<int64_t>(a.num("bucket_mib", 25) * kMiB))
+                .first_bucket_cap_bytes(
+                    static_cast<int64_t>(a.num("first_bucket_mib", 1) * kMiB));
+  typename Policy::template engine<Model> eng(
+      model, g, dp::DDPOptions().reducer(ro), dev);
+  auto opt = make_sgd(*eng.module());
+  double buckets = eng.reducer() ? double(eng.reducer()->buckets().size()) : 0;
+  dd::barrier(g);
+  for (int i = 0; i < warmup + steps; ++i) {
+    auto t0 = b::clock::now();
+    opt.zero_grad();
+    auto out = eng.forward_backward(data.x, data.y, loss_fn);
+    opt.step();
+    b::sync_device(out.loss);
+    double dt = b::seconds_since(t0);
+    if (i == warmup - 1) {
+      cpu0 = cpu_seconds();
+      sys0 = cpu_seconds(true);
+    }
+    if (i >= warmup) {
+      times.push_back(dt);
+      waits.push_back(eng.last_wait_seconds());
+    }
+  }
+  return buckets;
+}
+
+/// Rank task `train`, `--mode=`: `ddp` (the DDP engine), `ddp_nocomm` (the
+/// engine with a strategy that sends nothing), `flat` (the bare model, then
+/// one all-reduce of all gradients as a flat buffer), `bare` (the bare model
+/// in every rank, no communication).
 template <class Model>
 b::Values train(Model model, const dd::Group& g, const b::Args& a) {
   const auto dev = b::rank_device(g);
@@ -94,34 +135,21 @@ b::Values train(Model model, const dd::Group& g, const b::Args& a) {
   const auto mode = a.str("mode", "ddp");
   auto data = make_batch(a, g.rank(), dev);
   std::vector<double> times, waits;
-  double cpu0 = 0;
+  double cpu0 = 0, sys0 = 0;
   int64_t grad_bytes = b::gradient_bytes(*model);
   double buckets = 0;
 
   if (mode == "ddp") {
-    auto ro = dp::ReducerOptions()
-                  .bucket_cap_bytes(static_cast<int64_t>(
-                      a.num("bucket_mib", 25) * kMiB))
-                  .first_bucket_cap_bytes(static_cast<int64_t>(
-                      a.num("first_bucket_mib", 1) * kMiB));
-    dp::DDP::engine<Model> eng(model, g, dp::DDPOptions().reducer(ro), dev);
-    auto opt = make_sgd(*eng.module());
-    if (eng.reducer()) buckets = double(eng.reducer()->buckets().size());
-    dd::barrier(g);
-    for (int i = 0; i < warmup + steps; ++i) {
-      auto t0 = b::clock::now();
-      opt.zero_grad();
-      auto out = eng.forward_backward(data.x, data.y, loss_fn);
-      opt.step();
-      b::sync_device(out.loss);
-      double dt = b::seconds_since(t0);
-      if (i == warmup - 1) cpu0 = cpu_seconds();
-      if (i >= warmup) {
-        times.push_back(dt);
-        waits.push_back(eng.last_wait_seconds());
-      }
-    }
-  } else if (mode == "flat") {
+    buckets = ddp_steps<dp::DDP>(model, g, a, data, warmup, steps, times,
+                                 waits, cpu0, sys0);
+  } else if (mode == "ddp_nocomm") {
+    buckets = ddp_steps<dp::BasicDDP<b::NullComm>>(model, g, a, data, warmup,
+                                                   steps, times, waits, cpu0,
+                                                   sys0);
+  } else if (mode == "flat" || mode == "bare") {
+    // bare: the model alone in every rank, no communication at all (what
+    // sharing the machine with the other ranks costs by itself).
+    const bool comm = mode == "flat";
     model->to(dev);
     std::vector<torch::Tensor> params;
     for (auto& p : model->parameters()) params.push_back(p);
@@ -140,7 +168,7 @@ b::Values train(Model model, const dd::Group& g, const b::Args& a) {
       auto loss = loss_fn(model->forward(data.x), data.y);
       loss.backward();
       auto tw = b::clock::now();
-      {
+      if (comm) {
         torch::NoGradGuard ng;
         int64_t off = 0;
         for (auto& p : params) {
@@ -159,18 +187,22 @@ b::Values train(Model model, const dd::Group& g, const b::Args& a) {
       opt.step();
       b::sync_device(loss);
       double dt = b::seconds_since(t0);
-      if (i == warmup - 1) cpu0 = cpu_seconds();
+      if (i == warmup - 1) {
+        cpu0 = cpu_seconds();
+        sys0 = cpu_seconds(true);
+      }
       if (i >= warmup) {
         times.push_back(dt);
         waits.push_back(wait);
       }
     }
-    buckets = 1;
+    buckets = comm ? 1 : 0;
   } else {
     throw std::runtime_error("unknown --mode=" + mode);
   }
   auto v = summarize(times, waits, g.size(), a);
   v["cpu_ms_per_step"] = 1e3 * (cpu_seconds() - cpu0) / times.size();
+  v["sys_ms_per_step"] = 1e3 * (cpu_seconds(true) - sys0) / times.size();
   v["grad_bytes"] = double(grad_bytes);
   v["buckets"] = buckets;
   return v;
@@ -285,6 +317,20 @@ void register_all(const b::Args& o) {
                             w, cat(m.args(), steps_for(m.name, false)),
                             b::all_counters);
         }
+      }
+    }
+  }
+  if (wants(sections, "decompose")) {
+    // Where world 2's extra time goes: two ranks computing side by side
+    // (bare), plus the reducer's hooks and copies (ddp_nocomm), plus
+    // communication (ddp).
+    for (auto& m : overhead_models) {
+      for (auto mode : {"bare", "ddp_nocomm", "ddp", "flat"}) {
+        b::register_world("decompose/" + m.label() + "/world:2/mode:" + mode,
+                          2,
+                          cat(cat(m.args(), steps_for(m.name, false)),
+                              {std::string("--mode=") + mode}),
+                          b::all_counters);
       }
     }
   }

@@ -7,7 +7,7 @@ SVG charts (speedup, efficiency, all-reduce bandwidth). Standard library only.
 Inputs (any may be missing):
   overhead_ddpkit_r*.json   ddpkit_ddp_bench --sections=overhead (Google Benchmark JSON)
   overhead_pytorch_r*.json  scripts/bench_pytorch_ddp.py
-  ddp.json                  ddpkit_ddp_bench --sections=buckets,scaling,local
+  ddp.json                  ddpkit_ddp_bench --sections=decompose,local,buckets,scaling
   comm.json                 ddpkit_comm_bench
   data.json                 ddpkit_data_bench
   machine.txt               lscpu | head, written by run-benchmarks.sh
@@ -29,6 +29,7 @@ LINKS = [
     ("10 Gb/s Ethernet", 10e9 / 8, 50e-6),
 ]
 PROJ_WORKERS = [2, 4, 8, 16, 32, 64, 128, 256]
+GPU_STEP_S = 0.030  # an illustrative GPU-class step time for the projection
 
 
 def load(path):
@@ -115,6 +116,9 @@ def overhead(res_dir, md, summary):
                 md.append(f"| {model} | {impl} | {r} | {a['step_ms']:.1f} | {b['step_ms']:.1f} | "
                           f"**{ratio:.3f}** | {rmin:.3f} | {fmt(cpu, 3)} | {wait} |")
         result[model] = agg
+        first = [ours[k] for k in sorted(ours) if k[0] == model and 1 in ours[k]]
+        if first:
+            summary.setdefault("_ours_world1", {})[model] = first[0]
     md.append("")
     md.append("Side by side (median over rounds, with min/max):\n")
     md.append("| model | ddpkit ratio | PyTorch ratio | ddpkit min-step ratio | PyTorch min-step ratio | ddpkit CPU ratio | PyTorch CPU ratio | ddpkit wait/step | target ≤ 1.10 and ≤ PyTorch |")
@@ -133,6 +137,39 @@ def overhead(res_dir, md, summary):
                   f"{spread(agg['ddpkit_wait'])} | {ok or '–'} |")
     md.append("")
     summary["overhead"] = result
+
+
+# ------------------------------------------------------------- decompose
+def decompose(entries, md, summary):
+    rows = [(n, b) for n, b in entries if n.startswith("decompose/")]
+    if not rows:
+        return
+    ws1 = {m: v[1] for m, v in summary.get("_ours_world1", {}).items()}
+    md.append("## Where world 2's extra time goes (ddpkit, world 2)\n")
+    md.append("`bare`: both ranks run the model with no communication at all (what "
+              "sharing the cores, caches and memory costs); `ddp_nocomm`: the DDP engine "
+              "with a strategy that sends nothing (adds hooks, bucket copies, write-back); "
+              "`ddp`: the real thing; `flat`: bare model + one flat all-reduce after "
+              "backward. CPU = CPU seconds per step of rank 0 (all threads, user + "
+              "kernel); sys = kernel part (loopback TCP). On a saturated 2-core machine "
+              "every extra CPU millisecond is a wall millisecond.\n")
+    md.append("| model | mode | step ms | fastest step ms | wait ms | CPU ms | sys ms | CPU vs world-1 CPU |")
+    md.append("|---|---|---|---|---|---|---|---|")
+    out = {}
+    for n, b in rows:
+        m = re.match(r"decompose/(.+)/world:2/mode:(\w+)", n)
+        base = ws1.get(m[1])
+        r = b["cpu_ms_per_step"] / base["cpu_ms_per_step"] if base else None
+        md.append(f"| {m[1]} | {m[2]} | {b['step_ms']:.1f} | {b['step_ms_min']:.1f} | "
+                  f"{b['wait_ms']:.1f} | {b['cpu_ms_per_step']:.1f} | {b['sys_ms_per_step']:.1f} | {fmt(r, 3)} |")
+        out[n] = {k: b[k] for k in ("step_ms", "step_ms_min", "wait_ms", "cpu_ms_per_step", "sys_ms_per_step")}
+    if ws1:
+        md.append("")
+        md.append("World 1 for reference: " + "; ".join(
+            f"{m}: step {v['step_ms']:.1f} ms, CPU {v['cpu_ms_per_step']:.1f} ms, sys {v.get('sys_ms_per_step', 0):.1f} ms"
+            for m, v in ws1.items()))
+    md.append("")
+    summary["decompose"] = out
 
 
 # ----------------------------------------------------------------- local
@@ -336,6 +373,20 @@ def projection(summary, fit, md):
                     proj[model].setdefault(name, {})[f"{n}{'o' if ov else ''}"] = t
                 md.append(f"| {name} | {'yes' if ov else 'no'} | " + " | ".join(cells) + " |")
         md.append("")
+        # The same bytes with GPU-class compute, where the link starts to matter.
+        tg = GPU_STEP_S
+        md.append(f"Same gradients if one step computed in {tg * 1e3:.0f} ms (GPU-class):\n")
+        md.append("| link | overlap | " + " | ".join(f"N={n}" for n in PROJ_WORKERS) + " |")
+        md.append("|---|---|" + "---|" * len(PROJ_WORKERS))
+        for name, bw, lat in LINKS:
+            for ov in (False, True):
+                cells = []
+                for n in PROJ_WORKERS:
+                    tc = ring_time(nbytes, n, bw, lat)
+                    t = tg + (max(0.0, tc - 2 / 3 * tg) if ov else tc)
+                    cells.append(f"{t * 1e3:.1f} ms / {100 * tg / t:.0f}%")
+                md.append(f"| {name} | {'yes' if ov else 'no'} | " + " | ".join(cells) + " |")
+        md.append("")
     # Check against this machine: N workers share the cores and gloo's copies
     # need CPU too, so nothing overlaps once the cores are full.
     if fit and 2 in fit:
@@ -451,6 +502,7 @@ def main():
     ddp = gb_entries(os.path.join(res, "ddp.json"))
     comm = gb_entries(os.path.join(res, "comm.json"))
     overhead(res, md, summary)
+    decompose(ddp, md, summary)
     local(ddp, md, summary)
     buckets(ddp, comm, md, summary)
     fit = bandwidth(comm, md, summary, res)
@@ -459,6 +511,7 @@ def main():
     data_section(gb_entries(os.path.join(res, "data.json")), md)
     with open(os.path.join(res, "summary.md"), "w") as f:
         f.write("\n".join(md) + "\n")
+    summary.pop("_ours_world1", None)
     with open(os.path.join(res, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print("\n".join(md))
