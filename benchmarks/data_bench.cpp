@@ -48,15 +48,17 @@ void BM_CifarTrainAugment(benchmark::State& state) {
 }
 BENCHMARK(BM_CifarTrainAugment)->Arg(128)->Arg(256)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-/// One worker thread's pipeline: decode (scaled to >= 256) + random resized
-/// crop 224 + flip + normalise, batches of 32, made synchronously.
+/// One worker thread's pipeline: read + decode + random resized crop 224 +
+/// flip + normalise, batches of 32, made synchronously on this thread (the
+/// work of one loader worker). Arg: fast_decode (libjpeg-turbo's fast IDCT
+/// and chroma upsampling). Compare with scripts/bench_torchvision_loader.py,
+/// which runs this benchmark and torchvision's loader on the same folder.
 void BM_JpegFolderPipeline(benchmark::State& state) {
   torch::set_num_threads(1);
-  const bool scaled = state.range(0) != 0;
   auto folder = dd::read_image_folder(
-      jpeg_dir(), dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1).decode_min_side(
-                      scaled ? 256 : 0));
-  dd::Loader loader(folder.train, dd::ImageNetTrain{}, dd::LoaderOptions(32).workers(0));
+      jpeg_dir(), dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
+  dd::ImageNetTrain aug{dd::ImageNetTrainOptions().fast_decode(state.range(0) != 0)};
+  dd::Loader loader(folder.train, aug, dd::LoaderOptions(32).workers(0));
   std::vector<std::size_t> idx(folder.train.size());
   std::iota(idx.begin(), idx.end(), 0);
   const auto nb = loader.num_batches(idx.size());
@@ -69,8 +71,28 @@ void BM_JpegFolderPipeline(benchmark::State& state) {
   state.SetItemsProcessed(images);
   state.counters["images/s"] = benchmark::Counter(double(images), benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_JpegFolderPipeline)->Arg(0)->Arg(1)->ArgName("scaled_decode")
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_JpegFolderPipeline)->Arg(0)->Arg(1)->ArgName("fast_decode")
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+
+/// The evaluation transform (decode + resize 256 + centre crop 224 +
+/// normalise) on the same folder, one thread.
+void BM_JpegFolderEval(benchmark::State& state) {
+  torch::set_num_threads(1);
+  auto folder = dd::read_image_folder(
+      jpeg_dir(), dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
+  dd::Loader loader(folder.train, dd::ImageNetEval{}, dd::LoaderOptions(32).workers(0));
+  std::vector<std::size_t> idx(folder.train.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  const auto nb = loader.num_batches(idx.size());
+  std::size_t b = 0, images = 0;
+  for (auto _ : state) {
+    auto batch = loader.make_batch(idx, 0, b++ % nb);
+    images += batch.target.size(0);
+    benchmark::DoNotOptimize(batch.data);
+  }
+  state.counters["images/s"] = benchmark::Counter(double(images), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_JpegFolderEval)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 /// The same pipeline through the prefetching loader with N worker threads
 /// (images/s overall; divide by N for per-worker).

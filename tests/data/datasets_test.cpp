@@ -1,6 +1,7 @@
 #include "../support.hpp"
 
 #include <filesystem>
+#include <memory>
 #include <fstream>
 #include <numeric>
 #include <string>
@@ -205,6 +206,104 @@ TEST_CASE("ImageFolder: split, class_indices.json, decode") {
                     ddpkit::UsageError);
     CHECK_FALSE(fs::exists(tmp / "evil"));
   }
+}
+
+TEST_CASE("a truncated JPEG is a UsageError naming it, or skipped and counted") {
+  ddpkit::test::TempDir tmp;
+  const auto root = tmp / "flowers";
+  make_jpeg_folder(root, JpegFolderOptions().images_per_class(4).short_side(64).seed(1));
+  const auto victim = root / "roses" / "roses_0.jpg";
+  {
+    auto bytes = read_file_bytes(victim);
+    std::ofstream(victim, std::ios::binary | std::ios::trunc)
+        .write(reinterpret_cast<const char*>(bytes.data()),
+               static_cast<std::streamsize>(bytes.size() / 2));
+  }
+  auto msg = usage_error_of([&] { decode_image(victim); });
+  CHECK(contains(msg, "roses_0.jpg"));
+  CHECK(contains(msg, "truncated"));
+  // The header is intact, so scanning keeps the file; the error comes when
+  // the pixels are decoded, through the loader as anywhere else.
+  auto f = read_image_folder(root, ImageFolderOptions().class_indices_json("").val_ratio(0.25));
+  std::vector<size_t> all(f.train.size());
+  std::iota(all.begin(), all.end(), 0);
+  std::vector<size_t> v(f.val.size());
+  std::iota(v.begin(), v.end(), 0);
+  auto through_loader = [&](const ImageFiles& files, std::vector<size_t> idx) {
+    Loader loader(files, ImageNetTrain{ImageNetTrainOptions().size(32)},
+                  LoaderOptions(64).workers(1));
+    for (Batch b : loader.epoch(idx, 0)) (void)b;
+  };
+  msg = usage_error_of([&] {
+    through_loader(f.train, all);
+    through_loader(f.val, v);
+  });
+  CHECK(contains(msg, "roses_0.jpg"));
+  CHECK(contains(msg, "Premature end"));
+  auto eg = make_generator(0);
+  msg = usage_error_of([&] {
+    ImageNetEval{32}(f.train.get(all).first, eg);
+    ImageNetEval{32}(f.val.get(v).first, eg);
+  });
+  CHECK(contains(msg, "roses_0.jpg"));
+
+  auto g = read_image_folder(root, ImageFolderOptions().class_indices_json("").val_ratio(0.25)
+                                       .skip_corrupt(true));
+  CHECK(g.skipped.empty());
+  std::vector<size_t> gall(g.train.size());
+  std::iota(gall.begin(), gall.end(), 0);
+  std::vector<size_t> gv(g.val.size());
+  std::iota(gv.begin(), gv.end(), 0);
+  auto [ti, tl] = g.train.get(gall);
+  auto [vi, vl] = g.val.get(gv);
+  CHECK(ti.size() + vi.size() == 19);
+  CHECK(tl.size(0) + vl.size(0) == 19);
+  CHECK(g.train.corrupt_count() + g.val.corrupt_count() == 1);
+}
+
+TEST_CASE("PNG: palette and greyscale files decode to RGB") {
+  ddpkit::test::TempDir tmp;
+  // Greyscale: every channel equals the grey value.
+  auto grey = torch::randint(0, 256, {13, 17}, torch::kUInt8);
+  {
+    png_image p{};
+    p.version = PNG_IMAGE_VERSION;
+    p.width = 17;
+    p.height = 13;
+    p.format = PNG_FORMAT_GRAY;
+    REQUIRE(png_image_write_to_file(&p, (tmp / "grey.png").c_str(), 0, grey.data_ptr<uint8_t>(),
+                                    0, nullptr));
+  }
+  auto g = decode_image(tmp / "grey.png");
+  REQUIRE(g.sizes() == torch::IntArrayRef({3, 13, 17}));
+  for (int c = 0; c < 3; ++c) CHECK(torch::equal(g[c], grey));
+  // Palette: indices into a 4-colour RGB colormap.
+  const uint8_t colormap[4 * 3] = {255, 0, 0, 0, 255, 0, 0, 0, 255, 10, 20, 30};
+  auto index = torch::randint(0, 4, {9, 11}, torch::kUInt8);
+  {
+    png_image p{};
+    p.version = PNG_IMAGE_VERSION;
+    p.width = 11;
+    p.height = 9;
+    p.format = PNG_FORMAT_RGB_COLORMAP;
+    p.colormap_entries = 4;
+    REQUIRE(png_image_write_to_file(&p, (tmp / "palette.png").c_str(), 0,
+                                    index.data_ptr<uint8_t>(), 0, colormap));
+  }
+  auto pal = decode_image(tmp / "palette.png");
+  REQUIRE(pal.sizes() == torch::IntArrayRef({3, 9, 11}));
+  auto cmap = torch::from_blob(const_cast<uint8_t*>(colormap), {4, 3}, torch::kUInt8);
+  auto expect = cmap.index_select(0, index.view({-1}).to(torch::kInt64))
+                    .view({9, 11, 3})
+                    .permute({2, 0, 1});
+  CHECK(torch::equal(pal, expect));
+  // Through the fused transforms as well (PNG bytes decode there too).
+  ImageBatch lazy(std::vector<ImageBatch::Item>{
+      {std::make_shared<std::vector<unsigned char>>(read_file_bytes(tmp / "palette.png")),
+       "palette.png", {}, 0}});
+  auto gen = make_generator(0), gen2 = make_generator(0);
+  CHECK(torch::equal(ImageNetTrain{ImageNetTrainOptions().size(8)}(lazy, gen),
+                     ImageNetTrain{ImageNetTrainOptions().size(8)}(std::vector{pal}, gen2)));
 }
 
 }  // TEST_SUITE("data")

@@ -1,5 +1,6 @@
 #include "../support.hpp"
 
+#include <filesystem>
 #include <vector>
 
 #include "ddpkit/data.hpp"
@@ -100,6 +101,146 @@ TEST_CASE("ImageNet transforms: sizes and determinism") {
       CHECK(box.left >= 0);
       CHECK(box.top + box.height <= 60);
       CHECK(box.left + box.width <= 80);
+    }
+  }
+}
+
+namespace {
+
+/// torch's antialiased bilinear resize (PIL's filter) of a uint8 3×H×W crop,
+/// in 0..1 units: the reference for `resample_normalize`.
+torch::Tensor torch_resize01(const torch::Tensor& crop, int64_t oh, int64_t ow) {
+  namespace F = torch::nn::functional;
+  return F::interpolate(crop.to(torch::kFloat).unsqueeze(0),
+                        F::InterpolateFuncOptions()
+                            .size(std::vector<int64_t>{oh, ow})
+                            .mode(torch::kBilinear)
+                            .align_corners(false)
+                            .antialias(true))
+             .squeeze(0) /
+         255.0f;
+}
+
+/// `resample_normalize` of the integer box of a uint8 3×H×W image, with
+/// mean 0 and std 1 (so 0..1 units).
+torch::Tensor fused01(const torch::Tensor& img, int64_t top, int64_t left, int64_t h, int64_t w,
+                      int64_t oh, int64_t ow, bool flip = false) {
+  auto hwc = img.permute({1, 2, 0}).contiguous();
+  auto out = torch::empty({3, oh, ow});
+  resample_normalize(hwc.data_ptr<uint8_t>(), img.size(1), img.size(2), img.size(2) * 3, top,
+                     left, h, w, oh, ow, flip, {0, 0, 0}, {1, 1, 1}, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("resample_normalize matches torch's antialiased bilinear interpolate") {
+  torch::manual_seed(0);
+  // Smooth-ish content plus noise, so both filter shape and edges matter.
+  auto img = (torch::rand({3, 97, 131}) * 255).to(torch::kUInt8);
+  struct Case {
+    int64_t top, left, h, w, oh, ow;
+  };
+  for (auto c : {Case{0, 0, 97, 131, 48, 64},     // shrink ~2x
+                 Case{10, 20, 60, 90, 41, 37},    // shrink, odd ratios
+                 Case{5, 7, 30, 25, 64, 80},      // enlarge
+                 Case{0, 0, 97, 131, 97, 131},    // identity
+                 Case{50, 100, 47, 31, 9, 200},   // shrink one way, enlarge the other
+                 Case{0, 0, 97, 131, 7, 5}}) {    // strong shrink (wide filter)
+    CAPTURE(c.oh);
+    CAPTURE(c.ow);
+    auto crop = img.narrow(1, c.top, c.h).narrow(2, c.left, c.w);
+    auto ref = torch_resize01(crop, c.oh, c.ow);
+    auto got = fused01(img, c.top, c.left, c.h, c.w, c.oh, c.ow);
+    CHECK((got - ref).abs().max().item<float>() < 1e-4f);
+    auto flipped = fused01(img, c.top, c.left, c.h, c.w, c.oh, c.ow, true);
+    CHECK((flipped - ref.flip(2)).abs().max().item<float>() < 1e-4f);
+  }
+  SUBCASE("normalisation is (x - mean) / std per channel") {
+    auto hwc = img.permute({1, 2, 0}).contiguous();
+    auto out = torch::empty({3, 40, 50});
+    resample_normalize(hwc.data_ptr<uint8_t>(), 97, 131, 131 * 3, 0, 0, 97, 131, 40, 50, false,
+                       kImageNetMean, kImageNetStd, out.data_ptr<float>());
+    auto ref = (torch_resize01(img, 40, 50) - torch::tensor({0.485f, 0.456f, 0.406f}).view({3, 1, 1})) /
+               torch::tensor({0.229f, 0.224f, 0.225f}).view({3, 1, 1});
+    CHECK((out - ref).abs().max().item<float>() < 1e-3f);
+  }
+  SUBCASE("a fractional box equals the integer box of a 2x larger image") {
+    // Nearest-neighbour 2x upsampling: pixel edges of the small image are
+    // exactly at even coordinates of the big one, so the box (y, x, h, w)
+    // of the big image is (y/2, x/2, h/2, w/2) of the small one when the
+    // filter is wider than the duplication (shrinking by >= 2).
+    auto big = img.repeat_interleave(2, 1).repeat_interleave(2, 2);
+    auto a = fused01(big, 10, 14, 120, 160, 30, 40);
+    auto hwc = img.permute({1, 2, 0}).contiguous();
+    auto b = torch::empty({3, 30, 40});
+    resample_normalize(hwc.data_ptr<uint8_t>(), 97, 131, 131 * 3, 5.0, 7.0, 60.0, 80.0, 30, 40,
+                       false, {0, 0, 0}, {1, 1, 1}, b.data_ptr<float>());
+    // Not bit-equal (the filters differ slightly), but close.
+    CHECK((a - b).abs().mean().item<float>() < 0.01f);
+  }
+}
+
+TEST_CASE("ImageNet transforms: ranges, and the same output from bytes or tensors") {
+  ddpkit::test::TempDir tmp;
+  std::vector<torch::Tensor> images;
+  std::vector<ImageBatch::Item> items;
+  for (int i = 0; i < 4; ++i) {
+    auto img = (torch::rand({3, 120 + 10 * i, 150 - 7 * i}) * 255).to(torch::kUInt8);
+    auto file = tmp / ("im" + std::to_string(i) + ".jpg");
+    write_jpeg(file, img, 90);
+    images.push_back(decode_image(file));
+    items.push_back({std::make_shared<std::vector<unsigned char>>(read_file_bytes(file)),
+                     file.string(), {}, 0});
+  }
+  ImageBatch lazy(items);
+  ImageNetTrain train{ImageNetTrainOptions().size(80)};
+  auto g1 = make_generator(5), g2 = make_generator(5), g3 = make_generator(6);
+  auto a = train(lazy, g1);
+  auto b = train(images, g2);
+  auto c = train(lazy, g3);
+  CHECK(a.sizes() == torch::IntArrayRef({4, 3, 80, 80}));
+  // Crops below 2 x 80 decode at full size: the same pixels either way.
+  CHECK(torch::equal(a, b));
+  CHECK_FALSE(torch::equal(a, c));
+  CHECK(a.min().item<float>() >= -0.485f / 0.229f - 1e-3f);
+  CHECK(a.max().item<float>() <= (1 - 0.406f) / 0.225f + 1e-3f);
+  CHECK(lazy[1].sizes() == images[1].sizes());
+
+  SUBCASE("small outputs decode at a reduced DCT scale, close to the full decode") {
+    ImageNetTrain tiny{ImageNetTrainOptions().size(16).flip(0.0)};
+    auto ga = make_generator(1), gb = make_generator(1);
+    auto x = tiny(lazy, ga);    // 1/2..1/8 scale decode of the crop
+    auto y = tiny(images, gb);  // full decode
+    CHECK(x.sizes() == y.sizes());
+    // Random-noise images are the worst case for DCT downscaling; still
+    // the same picture on average.
+    CHECK((x - y).abs().mean().item<float>() < 0.35f);
+  }
+  SUBCASE("fast decode stays close to the accurate one") {
+    ImageNetTrain fast{ImageNetTrainOptions().size(80).fast_decode(true)};
+    auto g = make_generator(5);
+    auto f = fast(lazy, g);
+    // Random noise is the worst case (chroma at full resolution); smooth
+    // photos differ far less (see the benchmark notes).
+    CHECK((f - a).abs().mean().item<float>() < 0.2f);
+  }
+  SUBCASE("eval: one fused resample equals resize + centre crop") {
+    ImageNetEval eval{48};
+    auto e1 = eval(lazy, g1);    // short sides >= 2 x 54: 1/2-scale decode
+    auto e2 = eval(images, g1);  // full-size pixels
+    CHECK(e1.sizes() == e2.sizes());
+    CHECK((e1 - e2).abs().mean().item<float>() < 0.35f);
+    for (int64_t k = 0; k < 4; ++k) {
+      const auto h = images[k].size(1), w = images[k].size(2);
+      const int64_t resize = 48 * 256 / 224;
+      const int64_t oh = h <= w ? resize : resize * h / w;
+      const int64_t ow = h <= w ? resize * w / h : resize;
+      const auto top = std::lround((oh - 48) / 2.0), left = std::lround((ow - 48) / 2.0);
+      auto ref = torch_resize01(images[k], oh, ow).narrow(1, top, 48).narrow(2, left, 48);
+      ref = (ref - torch::tensor({0.485f, 0.456f, 0.406f}).view({3, 1, 1})) /
+            torch::tensor({0.229f, 0.224f, 0.225f}).view({3, 1, 1});
+      CHECK((e2[k] - ref).abs().max().item<float>() < 1e-3f);
     }
   }
 }

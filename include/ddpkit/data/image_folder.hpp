@@ -41,7 +41,10 @@ struct ImageSample {
 };
 
 /// A list of image files decoded on demand: the `Loader` dataset of an
-/// `ImageFolder` part. `get` yields uint8 3×H×W tensors of varying sizes.
+/// `ImageFolder` part. `get` yields an `ImageBatch`: the files' bytes, which
+/// `ImageNetTrain` / `ImageNetEval` decode themselves (only what the crop
+/// needs, fused with the resize), or which convert to uint8 3×H×W tensors
+/// of varying sizes for any other transform.
 class ImageFiles {
  public:
   ImageFiles() = default;
@@ -59,25 +62,38 @@ class ImageFiles {
   /// Files found corrupt while loading (only counted with `skip_corrupt`).
   std::size_t corrupt_count() const { return corrupt_ ? corrupt_->load() : 0; }
 
-  /// Decodes `indices`. A corrupt file is a UsageError naming it, or, with
-  /// `skip_corrupt`, is left out of the batch (and its label with it).
-  std::pair<std::vector<torch::Tensor>, torch::Tensor> get(
-      const std::vector<std::size_t>& indices) const {
-    std::vector<torch::Tensor> images;
+  /// Reads `indices`. Without `skip_corrupt` the files stay undecoded
+  /// (the transform decodes them; a corrupt or truncated file is a
+  /// UsageError naming it, raised there; a file that is neither JPEG nor
+  /// PNG is one here). With `skip_corrupt` every file is
+  /// decoded here, and a corrupt one is left out of the batch (and its
+  /// label with it) and counted.
+  std::pair<ImageBatch, torch::Tensor> get(const std::vector<std::size_t>& indices) const {
+    std::vector<ImageBatch::Item> items;
     std::vector<int64_t> labels;
-    images.reserve(indices.size());
+    items.reserve(indices.size());
     for (auto i : indices) {
       const auto& s = samples_.at(i);
+      ImageBatch::Item item{nullptr, s.path.string(), {}, decode_min_side_};
       try {
-        images.push_back(decode_image(s.path, decode_min_side_));
+        auto bytes = std::make_shared<std::vector<unsigned char>>(read_file_bytes(s.path));
+        if (!is_jpeg(*bytes) && !is_png(*bytes)) {
+          throw UsageError(ddpkit::detail::cat("not a JPEG or PNG image: ", item.name));
+        }
+        if (skip_corrupt_) {
+          item.image = decode_image_bytes(*bytes, decode_min_side_, item.name);
+        } else {
+          item.bytes = std::move(bytes);
+        }
       } catch (const UsageError&) {
         if (!skip_corrupt_) throw;
         corrupt_->fetch_add(1);
         continue;
       }
+      items.push_back(std::move(item));
       labels.push_back(s.label);
     }
-    return {std::move(images), torch::tensor(labels, torch::kInt64)};
+    return {ImageBatch(std::move(items)), torch::tensor(labels, torch::kInt64)};
   }
 
  private:
@@ -98,8 +114,11 @@ struct ImageFolderOptions {
   TORCH_ARG(std::vector<std::string>, extensions) = {".jpg", ".jpeg", ".png"};
   /// Where to write class_indices.json (`{"0": "daisy", ...}`); empty: don't.
   TORCH_ARG(std::filesystem::path, class_indices_json) = "class_indices.json";
-  /// Decode JPEGs scaled down so both sides stay >= this (0: full size).
-  /// For training at 224, 256 keeps the crops sharp and decodes 2–8× faster.
+  /// When images are decoded to tensors (`ImageBatch::tensors()`, or
+  /// with `skip_corrupt`): decode JPEGs scaled down so both sides stay >=
+  /// this (0: full size). `ImageNetTrain` / `ImageNetEval` ignore it on
+  /// undecoded files: they pick the DCT scale from the crop and output
+  /// size themselves.
   TORCH_ARG(int64_t, decode_min_side) = 0;
   /// Check every file's header while scanning and leave out (and count) the
   /// unreadable ones; also drop corrupt files from batches instead of

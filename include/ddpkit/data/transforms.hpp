@@ -4,6 +4,7 @@
 // crop for evaluation). Randomness comes only from the generator passed in.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -11,9 +12,14 @@
 #include <utility>
 #include <vector>
 
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include "ddpkit/data/image_io.hpp"
 #include "ddpkit/detail/error.hpp"
 
 namespace ddpkit::data {
@@ -298,6 +304,228 @@ inline torch::Tensor resize_image(const torch::Tensor& image, int64_t oh,
       .squeeze(0);
 }
 
+namespace detail {
+
+/// Fixed-width filter taps of one axis: output `o` reads source pixels
+/// `start[o] .. start[o] + k - 1` with weights `w[o * k ..]`.
+struct Taps {
+  int64_t k = 0;
+  std::vector<int64_t> start;
+  std::vector<float> w;
+};
+
+/// PIL's (and torch's `antialias=True`) bilinear taps for resampling the
+/// source interval `[box0, box0 + len)` (pixel-edge coordinates) of an axis
+/// of `in_size` pixels to `out_size` pixels: a triangle filter widened by
+/// the scale when shrinking, cut at the edge and renormalised. The edge is
+/// the image's, or with `clip` the box's (rounded out to whole pixels): a
+/// crop followed by a resize, as torchvision's `resized_crop` does. Every
+/// output gets the same number of taps (zero-padded, the window moved
+/// inside the edges), which keeps the inner loops branch-free.
+inline void bilinear_taps(double box0, double len, int64_t in_size, int64_t out_size,
+                          bool clip, Taps& t) {
+  const double scale = len / static_cast<double>(out_size);
+  const double support = std::max(scale, 1.0);  // bilinear support 1, widened
+  const double inv = 1.0 / support;
+  int64_t lo = 0, hi = in_size;
+  if (clip) {
+    lo = std::clamp<int64_t>(static_cast<int64_t>(std::floor(box0 + 1e-6)), 0, in_size - 1);
+    hi = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(box0 + len - 1e-6)), lo + 1,
+                             in_size);
+  }
+  // Relative to `lo` so that the truncating casts match PIL's (which works
+  // on the cropped image) for integer boxes.
+  auto window = [&](int64_t o, int64_t& xmin, int64_t& xmax, double& center) {
+    const double c = box0 - static_cast<double>(lo) + (static_cast<double>(o) + 0.5) * scale;
+    xmin = std::max<int64_t>(static_cast<int64_t>(c - support + 0.5), 0) + lo;
+    xmax = std::min<int64_t>(static_cast<int64_t>(c + support + 0.5) + lo, hi);
+    center = c + static_cast<double>(lo);
+  };
+  // Taps per output: the widest window (at most 2 * ceil(support) + 1).
+  int64_t k = 1;
+  for (int64_t o = 0; o < out_size; ++o) {
+    int64_t xmin, xmax;
+    double center;
+    window(o, xmin, xmax, center);
+    k = std::max(k, xmax - xmin);
+  }
+  k = std::min(k, hi - lo);
+  t.k = k;
+  t.start.resize(static_cast<std::size_t>(out_size));
+  t.w.assign(static_cast<std::size_t>(out_size * k), 0.0f);
+  thread_local std::vector<double> ws;
+  ws.resize(static_cast<std::size_t>(k));
+  for (int64_t o = 0; o < out_size; ++o) {
+    int64_t xmin, xmax;
+    double center;
+    window(o, xmin, xmax, center);
+    const int64_t n = std::max<int64_t>(xmax - xmin, 0);
+    double total = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double x = (static_cast<double>(j + xmin) - center + 0.5) * inv;
+      ws[static_cast<std::size_t>(j)] = std::max(0.0, 1.0 - std::abs(x));
+      total += ws[static_cast<std::size_t>(j)];
+    }
+    const int64_t st = std::max<int64_t>(lo, std::min(xmin, hi - k));
+    t.start[static_cast<std::size_t>(o)] = st;
+    float* w = t.w.data() + o * k;
+    for (int64_t j = 0; j < n && xmin - st + j < k; ++j) {
+      w[xmin - st + j] =
+          total > 0.0 ? static_cast<float>(ws[static_cast<std::size_t>(j)] / total) : 0.0f;
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Resamples the box `(y0, x0, box_h, box_w)` (pixel-edge coordinates, so
+/// fractional boxes work) of an RGB HWC uint8 image (`in_h`×`in_w`, rows
+/// `stride` bytes apart) to
+/// `out_h`×`out_w` with PIL's antialiased bilinear filter, and writes float
+/// CHW `(v / 255 - mean) / std` to `out` (3 planes of `out_h * out_w`),
+/// mirrored left-right when `flip`. With `clip` the filter reads only
+/// inside the box (rounded out to whole pixels), as a crop then a resize
+/// does; without, it reads neighbours outside the box too, as a resize then
+/// a crop does. One vertical pass (source rows ->
+/// a float row, contiguous and vectorised) and one horizontal pass (4-wide
+/// RGB_ vectors) per output row; normalise and flip ride on the last store,
+/// so the image is touched once and nothing else is allocated.
+inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in_w,
+                               int64_t stride, double y0, double x0, double box_h,
+                               double box_w, int64_t out_h, int64_t out_w, bool flip,
+                               const Rgb& mean, const Rgb& std, float* out,
+                               bool clip = true) {
+  typedef float v4 __attribute__((vector_size(16)));
+  thread_local detail::Taps th, tv;
+  thread_local std::vector<float> row, wts;
+  thread_local std::vector<const std::uint8_t*> rows;
+  detail::bilinear_taps(x0, box_w, in_w, out_w, clip, th);
+  detail::bilinear_taps(y0, box_h, in_h, out_h, clip, tv);
+  const int64_t c0 = th.start.front(), c1 = th.start.back() + th.k;
+  const int64_t n = (c1 - c0) * 3;
+  row.resize(static_cast<std::size_t>(n + 4));
+  wts.resize(static_cast<std::size_t>(tv.k));
+  rows.resize(static_cast<std::size_t>(tv.k));
+  float* r = row.data();
+  const v4 a{1.0f / (255.0f * std[0]), 1.0f / (255.0f * std[1]), 1.0f / (255.0f * std[2]),
+             0.0f};
+  const v4 b{-mean[0] / std[0], -mean[1] / std[1], -mean[2] / std[2], 0.0f};
+  const int64_t plane = out_h * out_w, kh = th.k, kv = tv.k;
+  for (int64_t oy = 0; oy < out_h; ++oy) {
+    // Vertical: r = sum_k wv[k] * source row (start + k), columns c0..c1.
+    const float* wv = tv.w.data() + oy * kv;
+    const std::uint8_t* base = src + tv.start[static_cast<std::size_t>(oy)] * stride + c0 * 3;
+    int64_t taps = 0;
+    for (int64_t k = 0; k < kv; ++k) {
+      if (wv[k] == 0.0f) continue;
+      rows[static_cast<std::size_t>(taps)] = base + k * stride;
+      wts[static_cast<std::size_t>(taps++)] = wv[k];
+    }
+#ifdef __SSE2__
+    // 16 bytes per step: widened to four float vectors, every tap summed
+    // in registers, one store per vector.
+    const int64_t n4 = n & ~int64_t{15};
+    const __m128i zero = _mm_setzero_si128();
+    for (int64_t j = 0; j < n4; j += 16) {
+      __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t t = 0; t < taps; ++t) {
+        const __m128i q = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(rows[static_cast<std::size_t>(t)] + j));
+        const __m128 wt = _mm_set1_ps(wts[static_cast<std::size_t>(t)]);
+        const __m128i lo = _mm_unpacklo_epi8(q, zero), hi = _mm_unpackhi_epi8(q, zero);
+        a0 = _mm_add_ps(a0, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpacklo_epi16(lo, zero))));
+        a1 = _mm_add_ps(a1, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpackhi_epi16(lo, zero))));
+        a2 = _mm_add_ps(a2, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpacklo_epi16(hi, zero))));
+        a3 = _mm_add_ps(a3, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpackhi_epi16(hi, zero))));
+      }
+      _mm_storeu_ps(r + j, a0);
+      _mm_storeu_ps(r + j + 4, a1);
+      _mm_storeu_ps(r + j + 8, a2);
+      _mm_storeu_ps(r + j + 12, a3);
+    }
+#else
+    const int64_t n4 = 0;
+#endif
+    for (int64_t j = n4; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t t = 0; t < taps; ++t) {
+        acc += wts[static_cast<std::size_t>(t)] * rows[static_cast<std::size_t>(t)][j];
+      }
+      r[j] = acc;
+    }
+    // Horizontal, then normalise and store (mirrored when flipping).
+    float* o0 = out + oy * out_w;
+    float* o1 = o0 + plane;
+    float* o2 = o1 + plane;
+    for (int64_t ox = 0; ox < out_w; ++ox) {
+      const float* px = r + (th.start[static_cast<std::size_t>(ox)] - c0) * 3;
+      const float* wh = th.w.data() + ox * kh;
+      v4 acc{0.0f, 0.0f, 0.0f, 0.0f};
+      for (int64_t k = 0; k < kh; ++k) {
+        v4 v;
+        std::memcpy(&v, px + 3 * k, sizeof v);
+        acc += wh[k] * v;
+      }
+      acc = acc * a + b;
+      const int64_t x = flip ? out_w - 1 - ox : ox;
+      o0[x] = acc[0];
+      o1[x] = acc[1];
+      o2[x] = acc[2];
+    }
+  }
+}
+
+namespace detail {
+
+/// Per-thread scratch for decoding.
+inline std::vector<std::uint8_t>& decode_buffer() {
+  thread_local std::vector<std::uint8_t> buf;
+  return buf;
+}
+
+/// An image ready for `resample_normalize`: HWC uint8 pixels, its size,
+/// and the factor from the original image's coordinates to these.
+struct HwcImage {
+  const std::uint8_t* data = nullptr;
+  int64_t height = 0, width = 0;
+  double scale = 1.0;
+  torch::Tensor keep;  // owns `data` when it comes from a tensor
+};
+
+/// The original size of an item (header only for undecoded JPEGs).
+inline ImageSize item_size(const ImageBatch::Item& it,
+                           std::vector<std::uint8_t>& buf, HwcImage& decoded) {
+  if (it.decoded()) return {it.image.size(1), it.image.size(2)};
+  if (is_jpeg(*it.bytes)) return jpeg_size(*it.bytes, it.name);
+  if (is_png(*it.bytes)) {  // no cheaper header path worth having: decode now
+    const auto s = decode_png_hwc(*it.bytes, buf, it.name);
+    decoded = {buf.data(), s.height, s.width, 1.0, {}};
+    return s;
+  }
+  throw UsageError(ddpkit::detail::cat("not a JPEG or PNG image: ", it.name));
+}
+
+/// Decodes `it` (unless `item_size` already did) so that sides of
+/// `min_side` original pixels keep at least `out_side` pixels: JPEGs at the
+/// largest SIMD DCT reduction (1/2, 1/4, 1/8) that allows it.
+inline HwcImage item_pixels(const ImageBatch::Item& it, const ImageSize& size,
+                            double min_side, double out_side, bool fast,
+                            std::vector<std::uint8_t>& buf, HwcImage decoded) {
+  if (decoded.data) return decoded;
+  if (it.decoded()) {
+    auto hwc = it.image.permute({1, 2, 0}).contiguous();
+    return {hwc.data_ptr<std::uint8_t>(), size.height, size.width, 1.0, hwc};
+  }
+  JpegDecodeOptions o;
+  o.fast = fast;
+  o.scale_num = jpeg_scale_for(static_cast<int64_t>(min_side), static_cast<int64_t>(min_side),
+                               out_side);
+  const auto s = decode_jpeg_hwc(*it.bytes, buf, o, it.name);
+  return {buf.data(), s.height, s.width, o.scale_num / 8.0, {}};
+}
+
+}  // namespace detail
+
 /// A closed interval `{lo, hi}`.
 using Interval = std::array<double, 2>;
 
@@ -310,11 +538,37 @@ struct ImageNetTrainOptions {
   TORCH_ARG(double, flip) = 0.5;
   TORCH_ARG(Rgb, mean) = kImageNetMean;
   TORCH_ARG(Rgb, std) = kImageNetStd;
+  /// Decode JPEGs with libjpeg-turbo's fast integer IDCT and plain chroma
+  /// upsampling (`JpegDecodeOptions::fast`): faster, a few levels off
+  /// libjpeg's default (PIL's) decode.
+  TORCH_ARG(bool, fast_decode) = false;
 };
 
+namespace detail {
+
+/// `(x / 255 - mean) / std` of one float 3×H×W image in 0..255 units
+/// (possibly flipped) into `dst`: the path for non-uint8 inputs.
+inline void store_normalized(torch::Tensor img, bool flip, const Rgb& mean, const Rgb& std,
+                             float* dst) {
+  if (flip) img = img.flip(2);
+  auto t = torch::from_blob(dst, img.sizes(), torch::kFloat);
+  t.copy_(img.div(255.0f)
+              .sub_(rgb_tensor(mean).view({3, 1, 1}))
+              .div_(rgb_tensor(std).view({3, 1, 1})));
+}
+
+}  // namespace detail
+
 /// The flowers/ImageNet recipe's training transform on images of any size
-/// (a vector of uint8 3×H×W, as `ImageFolder` yields) or a uint8 batch:
-/// float N×3×size×size.
+/// (an `ImageBatch` from `ImageFolder`, a vector of uint8 3×H×W, or a uint8
+/// batch): float N×3×size×size.
+///
+/// Per image: the crop box is drawn from the original size (JPEG header
+/// only), the JPEG is decoded at the largest SIMD DCT reduction (1/2, 1/4,
+/// 1/8) that keeps the crop at least `size` pixels, and
+/// `resample_normalize` resizes the crop with PIL's antialiased bilinear
+/// filter, flips and normalises in one pass. The draws (40 uniforms and a
+/// flip per image, from `gen`) are the same whatever the input form.
 ///
 /// Example:
 /// ```
@@ -325,59 +579,102 @@ struct ImageNetTrainOptions {
 struct ImageNetTrain {
   ImageNetTrainOptions options{};
 
-  torch::Tensor operator()(const std::vector<torch::Tensor>& images,
-                           torch::Generator& gen) const {
+  torch::Tensor operator()(const ImageBatch& images, torch::Generator& gen) const {
     const auto& o = options;
     const auto n = static_cast<int64_t>(images.size());
+    const int64_t S = o.size();
     auto u = torch::rand({n, 40}, gen);
     auto flip = torch::rand({n}, gen) < o.flip();
-    auto out = torch::empty({n, 3, o.size(), o.size()});
+    auto out = torch::empty({n, 3, S, S});
+    const float* pu = u.data_ptr<float>();
+    const bool* pf = flip.data_ptr<bool>();
+    float* po = out.data_ptr<float>();
+    auto& buf = detail::decode_buffer();
     for (int64_t k = 0; k < n; ++k) {
-      const auto& img = images[k];
-      auto box = random_resized_crop_box(img.size(1), img.size(2), o.scale(),
-                                         o.ratio(), u[k].data_ptr<float>());
-      auto crop = img.narrow(1, box.top, box.height).narrow(2, box.left, box.width);
-      out[k].copy_(resize_image(crop, o.size(), o.size()));
+      const auto& it = images.items()[static_cast<std::size_t>(k)];
+      float* dst = po + k * 3 * S * S;
+      detail::HwcImage pre;
+      const auto size = detail::item_size(it, buf, pre);
+      const auto box = random_resized_crop_box(size.height, size.width, o.scale(), o.ratio(),
+                                               pu + k * 40);
+      if (it.decoded() && it.image.scalar_type() != torch::kUInt8) {
+        auto crop = it.image.narrow(1, box.top, box.height).narrow(2, box.left, box.width);
+        detail::store_normalized(resize_image(crop, S, S), pf[k], o.mean(), o.std(), dst);
+        continue;
+      }
+      const auto px = detail::item_pixels(
+          it, size, static_cast<double>(std::min(box.height, box.width)),
+          static_cast<double>(S), o.fast_decode(), buf, pre);
+      const double s = px.scale;
+      resample_normalize(px.data, px.height, px.width, px.width * 3, box.top * s,
+                         box.left * s, box.height * s, box.width * s, S, S, pf[k], o.mean(),
+                         o.std(), dst);
     }
-    out = torch::where(flip.view({n, 1, 1, 1}), out.flip(3), out);
-    return normalize(out.div_(255.0f), o.mean(), o.std());
+    return out;
+  }
+  torch::Tensor operator()(const std::vector<torch::Tensor>& images,
+                           torch::Generator& gen) const {
+    return (*this)(ImageBatch(images), gen);
   }
   torch::Tensor operator()(const torch::Tensor& batch,
                            torch::Generator& gen) const {
     auto v = batch.unbind(0);
-    return (*this)(std::vector<torch::Tensor>(v.begin(), v.end()), gen);
+    return (*this)(ImageBatch(std::vector<torch::Tensor>(v.begin(), v.end())), gen);
   }
 };
 
 /// torchvision's `Resize(size * 256 / 224)` + `CenterCrop(size)` +
-/// normalise: the evaluation transform of the flowers/ImageNet recipe.
+/// normalise: the evaluation transform of the flowers/ImageNet recipe, as
+/// one fused resample of the centre window (JPEGs decoded at a 1/2, 1/4 or
+/// 1/8 DCT scale when the resized short side allows).
 struct ImageNetEval {
   int64_t size = 224;
   Rgb mean = kImageNetMean;
   Rgb std = kImageNetStd;
+  /// See `ImageNetTrainOptions::fast_decode`; off for evaluation.
+  bool fast_decode = false;
 
-  torch::Tensor operator()(const std::vector<torch::Tensor>& images,
-                           torch::Generator&) const {
+  torch::Tensor operator()(const ImageBatch& images, torch::Generator&) const {
     const auto n = static_cast<int64_t>(images.size());
     const int64_t resize = size * 256 / 224;
     auto out = torch::empty({n, 3, size, size});
+    float* po = out.data_ptr<float>();
+    auto& buf = detail::decode_buffer();
     for (int64_t k = 0; k < n; ++k) {
-      const auto& img = images[k];
-      const auto h = img.size(1), w = img.size(2);
+      const auto& it = images.items()[static_cast<std::size_t>(k)];
+      float* dst = po + k * 3 * size * size;
+      detail::HwcImage pre;
+      const auto sz = detail::item_size(it, buf, pre);
+      const auto h = sz.height, w = sz.width;
       // Shorter side to `resize`, the longer one scaled and truncated.
-      int64_t oh = h <= w ? resize : resize * h / w;
-      int64_t ow = h <= w ? resize * w / h : resize;
-      auto r = resize_image(img, oh, ow);
-      auto top = static_cast<int64_t>(std::lround((oh - size) / 2.0));
-      auto left = static_cast<int64_t>(std::lround((ow - size) / 2.0));
-      out[k].copy_(r.narrow(1, top, size).narrow(2, left, size));
+      const int64_t oh = h <= w ? resize : resize * h / w;
+      const int64_t ow = h <= w ? resize * w / h : resize;
+      const auto top = static_cast<int64_t>(std::lround((oh - size) / 2.0));
+      const auto left = static_cast<int64_t>(std::lround((ow - size) / 2.0));
+      if (it.decoded() && it.image.scalar_type() != torch::kUInt8) {
+        auto r = resize_image(it.image, oh, ow).narrow(1, top, size).narrow(2, left, size);
+        detail::store_normalized(r, false, mean, std, dst);
+        continue;
+      }
+      const auto px = detail::item_pixels(it, sz, static_cast<double>(std::min(h, w)),
+                                          static_cast<double>(resize), fast_decode, buf, pre);
+      // The window [top, top + size) of the resized image, in source pixels.
+      const double fy = static_cast<double>(h) / oh * px.scale;
+      const double fx = static_cast<double>(w) / ow * px.scale;
+      resample_normalize(px.data, px.height, px.width, px.width * 3, top * fy, left * fx,
+                         size * fy, size * fx, size, size, false, mean, std, dst,
+                         /*clip=*/false);
     }
-    return normalize(out.div_(255.0f), mean, std);
+    return out;
+  }
+  torch::Tensor operator()(const std::vector<torch::Tensor>& images,
+                           torch::Generator& gen) const {
+    return (*this)(ImageBatch(images), gen);
   }
   torch::Tensor operator()(const torch::Tensor& batch,
                            torch::Generator& gen) const {
     auto v = batch.unbind(0);
-    return (*this)(std::vector<torch::Tensor>(v.begin(), v.end()), gen);
+    return (*this)(ImageBatch(std::vector<torch::Tensor>(v.begin(), v.end())), gen);
   }
 };
 
