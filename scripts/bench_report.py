@@ -208,8 +208,8 @@ def buckets(entries, comm_entries, md, summary):
               "buffer (copy in, all-reduce, copy out). `comm only`: the reducer's bucket "
               "layout all-reduced back to back, against one all-reduce of the flat buffer "
               "(no compute). Target: within 5% of flat at the default 25 MiB.\n")
-    md.append("| cap | buckets | step ms | vs flat step | wait ms | comm only ms | vs flat comm |")
-    md.append("|---|---|---|---|---|---|---|")
+    md.append("| cap | buckets | step ms | fastest step ms | vs flat step | CPU ms/step | CPU vs flat | wait ms | comm only ms | vs flat comm |")
+    md.append("|---|---|---|---|---|---|---|---|---|---|")
     flat = dict(rows).get([n for n, _ in rows if n.endswith("/flat")][0]) if any(
         n.endswith("/flat") for n, _ in rows) else None
     fc = comm.get("flat")
@@ -219,9 +219,12 @@ def buckets(entries, comm_entries, md, summary):
         c = comm.get(key)
         vs = b["step_ms"] / flat["step_ms"] if flat else None
         cv = c["real_time"] / fc["real_time"] if c and fc else None
-        md.append(f"| {key} | {int(b['buckets'])} | {b['step_ms']:.1f} | {fmt(vs, 3)} | "
+        cpu = b.get("cpu_ms_per_step")
+        cpuv = cpu / flat["cpu_ms_per_step"] if flat and cpu and flat.get("cpu_ms_per_step") else None
+        md.append(f"| {key} | {int(b['buckets'])} | {b['step_ms']:.1f} | {b['step_ms_min']:.1f} | {fmt(vs, 3)} | "
+                  f"{fmt(cpu, 1)} | {fmt(cpuv, 3)} | "
                   f"{b['wait_ms']:.1f} | {fmt(c['real_time'] / 1e3 if c else None, 1)} | {fmt(cv, 3)} |")
-        out[key] = {"step_ms": b["step_ms"], "vs_flat": vs,
+        out[key] = {"step_ms": b["step_ms"], "vs_flat": vs, "cpu_vs_flat": cpuv,
                     "comm_ms": c["real_time"] / 1e3 if c else None, "comm_vs_flat": cv}
     md.append("")
     summary["buckets"] = out
