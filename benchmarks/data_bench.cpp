@@ -1,10 +1,14 @@
 // Data pipeline throughput: CIFAR batched augmentation (images/s on one
 // thread) and the JPEG folder pipeline (decode + random resized crop + flip
 // + normalise at 224, images/s per worker thread). Compare the JPEG number
-// with scripts/bench_torchvision_loader.py on the same generated folder.
+// with torchvision side by side, on the same generated folder:
+//   DDPKIT_BENCH_JPEG_DIR=/tmp/jpeg ./ddpkit_data_bench --benchmark_filter=Eval
+//   /usr/bin/python3 scripts/bench_torchvision_loader.py /tmp/jpeg \
+//       --ours ./ddpkit_data_bench --repeats 3
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <numeric>
 #include <string>
@@ -14,6 +18,15 @@
 namespace dd = ddpkit::data;
 
 namespace {
+
+/// CPU seconds used by this process so far: on a shared machine images per
+/// CPU second is the steadier per-core measure (the Python twin reports the
+/// same, from time.process_time()).
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
 
 /// The folder the JPEG benchmarks read: $DDPKIT_BENCH_JPEG_DIR if set (so
 /// the Python script can read the same files), else a temp folder written
@@ -63,13 +76,16 @@ void BM_JpegFolderPipeline(benchmark::State& state) {
   std::iota(idx.begin(), idx.end(), 0);
   const auto nb = loader.num_batches(idx.size());
   std::size_t b = 0, images = 0;
+  const double cpu0 = process_cpu_seconds();
   for (auto _ : state) {
     auto batch = loader.make_batch(idx, 0, b++ % nb);
     images += batch.target.size(0);
     benchmark::DoNotOptimize(batch.data);
   }
+  const double cpu = process_cpu_seconds() - cpu0;
   state.SetItemsProcessed(images);
   state.counters["images/s"] = benchmark::Counter(double(images), benchmark::Counter::kIsRate);
+  state.counters["images/cpu_s"] = double(images) / cpu;
 }
 BENCHMARK(BM_JpegFolderPipeline)->Arg(0)->Arg(1)->ArgName("fast_decode")
     ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);

@@ -208,6 +208,65 @@ TEST_CASE("ImageFolder: split, class_indices.json, decode") {
   }
 }
 
+TEST_CASE("JPEG region decode equals the same region of a full decode") {
+  ddpkit::test::TempDir tmp;
+  torch::manual_seed(3);
+  // Smooth content plus noise, 4:2:0 (write_jpeg's subsampling).
+  auto img = (torch::rand({3, 20, 26}) * 255).to(torch::kUInt8);
+  img = torch::nn::functional::interpolate(
+            img.to(torch::kFloat).unsqueeze(0),
+            torch::nn::functional::InterpolateFuncOptions()
+                .size(std::vector<int64_t>{203, 259})
+                .mode(torch::kBilinear)
+                .align_corners(false))
+            .squeeze(0)
+            .add_(torch::randn({3, 203, 259}) * 8)
+            .clamp_(0, 255)
+            .to(torch::kUInt8);
+  write_jpeg(tmp / "r.jpg", img, 90);
+  const auto bytes = read_file_bytes(tmp / "r.jpg");
+  for (int num : {8, 4, 2}) {
+    for (bool fast : {false, true}) {
+      CAPTURE(num);
+      CAPTURE(fast);
+      JpegDecodeOptions o;
+      o.scale_num = num;
+      o.fast = fast;
+      std::vector<uint8_t> full, part;
+      const auto fs = decode_jpeg_hwc(bytes, full, o);
+      auto full_t = torch::from_blob(full.data(), {fs.height, fs.width, 3}, torch::kUInt8);
+      JpegBlock block;
+      // Region in original pixels; deliberately not MCU-aligned.
+      const double top = 37, left = 53, h = 101, w = 90;
+      REQUIRE(decode_jpeg_region(bytes, top, left, h, w, part, block, o));
+      const double s = num / 8.0;
+      CHECK(block.top <= static_cast<int64_t>(top * s));
+      CHECK(block.left <= static_cast<int64_t>(left * s));
+      CHECK(block.top + block.height >= static_cast<int64_t>((top + h) * s));
+      CHECK(block.left + block.width >= static_cast<int64_t>((left + w) * s));
+      auto part_t = torch::from_blob(part.data() + block.offset, {block.height, block.width, 3},
+                                     {block.stride, 3, 1}, torch::kUInt8);
+      auto ref = full_t.narrow(0, block.top, block.height).narrow(1, block.left, block.width);
+      auto diff = (part_t.to(torch::kInt32) - ref.to(torch::kInt32)).abs();
+      // The same decoder on the same coefficients: the same pixels.
+      CHECK(diff.max().item<int>() == 0);
+    }
+  }
+  SUBCASE("a truncated file is an error whatever the region") {
+    std::vector<unsigned char> cut(bytes.begin(), bytes.begin() + bytes.size() * 2 / 3);
+    std::vector<uint8_t> out;
+    JpegBlock block;
+    // Top rows only: this region is intact, but the file is not.
+    bool region = true;
+    auto msg = usage_error_of([&] {
+      region = decode_jpeg_region(cut, 0, 0, 16, 16, out, block, {}, "cut.jpg");
+      if (!region) decode_jpeg_hwc(cut, out, {}, "cut.jpg");
+    });
+    CHECK(contains(msg, "cut.jpg"));
+    CHECK(contains(msg, "truncated"));
+  }
+}
+
 TEST_CASE("a truncated JPEG is a UsageError naming it, or skipped and counted") {
   ddpkit::test::TempDir tmp;
   const auto root = tmp / "flowers";

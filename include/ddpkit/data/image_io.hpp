@@ -4,7 +4,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +19,26 @@
 
 #ifdef DDPKIT_HAS_TURBOJPEG
 #include <turbojpeg.h>
+// Region decode through libjpeg's own API (see `decode_jpeg_region`).
+#if __has_include(<jpeglib.h>) && __has_include(<dlfcn.h>) && !defined(DDPKIT_NO_JPEG_REGION)
+#define DDPKIT_JPEG_REGION 1
+#include <dlfcn.h>
+
+#include <csetjmp>
+#include <cstdio>  // jpeglib.h needs FILE
+#include <type_traits>
+
+#include <jerror.h>
+#include <jpeglib.h>
+// jmorecfg.h's generic macro names, not needed past the declarations.
+#undef LOCAL
+#undef GLOBAL
+#undef EXTERN
+#undef METHODDEF
+#undef JMETHOD
+#undef FAR
+#undef JPP
+#endif
 #endif
 #ifdef DDPKIT_HAS_PNG
 #include <png.h>
@@ -145,6 +167,188 @@ inline int jpeg_scale_for(int64_t height, int64_t width, double min_side) {
     if (std::min(height, width) * num >= min_side * 8) return num;
   }
   return 8;
+}
+
+/// Where a region decode put its pixels: a block of `height`×`width` RGB
+/// pixels, rows `stride` bytes apart starting `offset` bytes into the
+/// buffer, whose first pixel is at (`top`, `left`) of the scaled image (the
+/// block covers the asked region, widened to the iMCU grid horizontally).
+struct JpegBlock {
+  int64_t height = 0, width = 0, top = 0, left = 0;
+  int64_t stride = 0, offset = 0;
+};
+
+#ifdef DDPKIT_JPEG_REGION
+namespace detail {
+
+/// libjpeg's API, resolved at run time from libjpeg.so.62 (libjpeg-turbo's
+/// libjpeg ABI; Debian's libtorch already loads it, and libturbojpeg does
+/// not export it). Empty when the library cannot be loaded.
+struct LibJpeg {
+  decltype(&jpeg_std_error) std_error = nullptr;
+  decltype(&jpeg_CreateDecompress) create = nullptr;
+  decltype(&jpeg_mem_src) mem_src = nullptr;
+  decltype(&jpeg_read_header) read_header = nullptr;
+  decltype(&jpeg_start_decompress) start = nullptr;
+  decltype(&jpeg_crop_scanline) crop = nullptr;
+  decltype(&jpeg_skip_scanlines) skip = nullptr;
+  decltype(&jpeg_read_scanlines) read = nullptr;
+  decltype(&jpeg_abort_decompress) abort = nullptr;
+  decltype(&jpeg_destroy_decompress) destroy = nullptr;
+  bool ok = false;
+};
+
+inline const LibJpeg& libjpeg() {
+  static const LibJpeg lib = [] {
+    LibJpeg l;
+    if (std::getenv("DDPKIT_NO_JPEG_REGION")) return l;
+    void* h = dlopen("libjpeg.so.62", RTLD_NOW | RTLD_LOCAL);
+    if (!h) return l;
+    auto sym = [h](auto& f, const char* name) {
+      f = reinterpret_cast<std::remove_reference_t<decltype(f)>>(dlsym(h, name));
+      return f != nullptr;
+    };
+    l.ok = sym(l.std_error, "jpeg_std_error") && sym(l.create, "jpeg_CreateDecompress") &&
+           sym(l.mem_src, "jpeg_mem_src") && sym(l.read_header, "jpeg_read_header") &&
+           sym(l.start, "jpeg_start_decompress") && sym(l.crop, "jpeg_crop_scanline") &&
+           sym(l.skip, "jpeg_skip_scanlines") && sym(l.read, "jpeg_read_scanlines") &&
+           sym(l.abort, "jpeg_abort_decompress") && sym(l.destroy, "jpeg_destroy_decompress");
+    return l;
+  }();
+  return lib;
+}
+
+struct JpegErr {
+  jpeg_error_mgr pub;
+  std::jmp_buf jump;
+  int kind;  // 1: fatal error, 2: truncated
+  char msg[JMSG_LENGTH_MAX];
+};
+
+extern "C" inline void ddpkit_jpeg_error_exit(j_common_ptr c) {
+  auto* e = reinterpret_cast<JpegErr*>(c->err);
+  e->kind = 1;
+  (*c->err->format_message)(c, e->msg);
+  std::longjmp(e->jump, 1);
+}
+
+/// Warnings are ignored (as PIL does) except a premature end of data.
+extern "C" inline void ddpkit_jpeg_emit_message(j_common_ptr c, int level) {
+  auto* e = reinterpret_cast<JpegErr*>(c->err);
+  if (level < 0 && c->err->msg_code == JWRN_JPEG_EOF) {
+    e->kind = 2;
+    (*c->err->format_message)(c, e->msg);
+    std::longjmp(e->jump, 1);
+  }
+}
+
+/// The region decode proper; only trivially destructible locals live
+/// across the setjmp. Returns 0, or the JpegErr kind with `err.msg` set.
+inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data, unsigned long size,
+                           double top, double left, double height, double width,
+                           const JpegDecodeOptions& opts, std::vector<std::uint8_t>& out,
+                           JpegBlock& block, JpegErr& err) {
+  jpeg_decompress_struct cinfo;
+  cinfo.err = lib.std_error(&err.pub);
+  err.pub.error_exit = ddpkit_jpeg_error_exit;
+  err.pub.emit_message = ddpkit_jpeg_emit_message;
+  err.kind = 0;
+  err.msg[0] = '\0';
+  if (setjmp(err.jump)) {
+    lib.destroy(&cinfo);
+    return err.kind;
+  }
+  lib.create(&cinfo, JPEG_LIB_VERSION, sizeof(cinfo));
+  lib.mem_src(&cinfo, data, size);
+  lib.read_header(&cinfo, 1);
+  cinfo.out_color_space = JCS_RGB;
+  cinfo.scale_num = static_cast<unsigned>(opts.scale_num);
+  cinfo.scale_denom = 8;
+  if (opts.fast) {
+    cinfo.dct_method = JDCT_IFAST;
+    cinfo.do_fancy_upsampling = 0;
+  }
+  lib.start(&cinfo);
+  const double s = opts.scale_num / 8.0;
+  const auto W = static_cast<int64_t>(cinfo.output_width);
+  const auto H = static_cast<int64_t>(cinfo.output_height);
+  // One column of margin each side: fancy (triangle) chroma upsampling
+  // treats the cut as an image edge, so the block's first and last columns
+  // differ from a full decode's; they are dropped below.
+  const int64_t x0 =
+      std::clamp<int64_t>(static_cast<int64_t>(std::floor(left * s)) - 1, 0, W - 1);
+  const int64_t x1 = std::clamp<int64_t>(
+      static_cast<int64_t>(std::ceil((left + width) * s)) + 1, x0 + 1, W);
+  const int64_t y0 = std::clamp<int64_t>(static_cast<int64_t>(std::floor(top * s)), 0, H - 1);
+  const int64_t y1 = std::clamp<int64_t>(
+      static_cast<int64_t>(std::ceil((top + height) * s)), y0 + 1, H);
+  JDIMENSION xoff = static_cast<JDIMENSION>(x0), cw = static_cast<JDIMENSION>(x1 - x0);
+  if (cw < cinfo.output_width) lib.crop(&cinfo, &xoff, &cw);
+  if (y0 > 0) lib.skip(&cinfo, static_cast<JDIMENSION>(y0));
+  const std::size_t row_bytes = static_cast<std::size_t>(cw) * 3;
+  out.resize(row_bytes * static_cast<std::size_t>(y1 - y0) + 16);
+  JSAMPROW rows[16];
+  while (static_cast<int64_t>(cinfo.output_scanline) < y1) {
+    const auto at = static_cast<int64_t>(cinfo.output_scanline);
+    const int64_t n = std::min<int64_t>(16, y1 - at);
+    for (int64_t i = 0; i < n; ++i) {
+      rows[i] = out.data() + static_cast<std::size_t>(at - y0 + i) * row_bytes;
+    }
+    lib.read(&cinfo, rows, static_cast<JDIMENSION>(n));
+  }
+  lib.abort(&cinfo);
+  lib.destroy(&cinfo);
+  block = {y1 - y0, static_cast<int64_t>(cw), y0, static_cast<int64_t>(xoff),
+           static_cast<int64_t>(row_bytes), 0};
+  if (block.left > 0 && block.width > 1) {
+    block.left += 1;
+    block.width -= 1;
+    block.offset = 3;
+  }
+  if (block.left + block.width < W && block.width > 1) block.width -= 1;
+  return 0;
+}
+
+}  // namespace detail
+#endif
+
+/// Decodes only the region (`top`, `left`, `height`, `width`, in original
+/// pixels) of a JPEG at DCT scale `opts.scale_num / 8`, to RGB HWC uint8 in
+/// `out`: rows above the region are skipped (entropy-decoded only), rows
+/// below are never read, and columns outside the iMCU columns the region
+/// touches are not decoded at all (libjpeg's `jpeg_crop_scanline` and
+/// `jpeg_skip_scanlines`). Returns false, leaving the work to a full
+/// decode, when libjpeg's API is not available, when the file does not end
+/// in an EOI marker (maybe truncated, or trailing data) or when libjpeg
+/// cannot handle it (e.g. CMYK); a truncated file is a UsageError naming
+/// `name`.
+inline bool decode_jpeg_region(const std::vector<unsigned char>& bytes, double top,
+                               double left, double height, double width,
+                               std::vector<std::uint8_t>& out, JpegBlock& block,
+                               const JpegDecodeOptions& opts = {},
+                               const std::string& name = "<memory>") {
+#ifdef DDPKIT_JPEG_REGION
+  const auto& lib = detail::libjpeg();
+  if (!lib.ok) return false;
+  // A file that does not end in EOI (FF D9; trailing zeros allowed) may be
+  // truncated: leave it to the full decode, which reports that whatever
+  // the region (a region above the cut would decode fine here).
+  std::size_t end = bytes.size();
+  while (end > 2 && bytes[end - 1] == 0) --end;
+  if (end < 4 || bytes[end - 2] != 0xFF || bytes[end - 1] != 0xD9) return false;
+  detail::JpegErr err;
+  const int rc = detail::jpeg_region_raw(lib, bytes.data(),
+                                         static_cast<unsigned long>(bytes.size()), top, left,
+                                         height, width, opts, out, block, err);
+  if (rc == 2) {
+    throw UsageError(ddpkit::detail::cat("truncated JPEG: ", name, " (", err.msg, ")"));
+  }
+  return rc == 0;
+#else
+  (void)bytes, (void)top, (void)left, (void)height, (void)width, (void)out, (void)block;
+  (void)opts, (void)name;
+  return false;
+#endif
 }
 
 /// Decodes a JPEG. With `min_side > 0`, decodes at the smallest TurboJPEG

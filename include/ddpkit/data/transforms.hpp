@@ -483,13 +483,18 @@ inline std::vector<std::uint8_t>& decode_buffer() {
   return buf;
 }
 
-/// An image ready for `resample_normalize`: HWC uint8 pixels, its size,
-/// and the factor from the original image's coordinates to these.
+/// An image ready for `resample_normalize`: HWC uint8 pixels, their size,
+/// the factor from the original image's coordinates to the decoded
+/// (scaled) image's, and where these pixels start in the decoded image
+/// (non-zero after a region decode).
 struct HwcImage {
   const std::uint8_t* data = nullptr;
   int64_t height = 0, width = 0;
   double scale = 1.0;
   torch::Tensor keep;  // owns `data` when it comes from a tensor
+  int64_t top = 0, left = 0;
+  int64_t stride = 0;  // bytes per row; 0: width * 3
+  int64_t row_bytes() const { return stride ? stride : width * 3; }
 };
 
 /// The original size of an item (header only for undecoded JPEGs).
@@ -507,10 +512,13 @@ inline ImageSize item_size(const ImageBatch::Item& it,
 
 /// Decodes `it` (unless `item_size` already did) so that sides of
 /// `min_side` original pixels keep at least `out_side` pixels: JPEGs at the
-/// largest SIMD DCT reduction (1/2, 1/4, 1/8) that allows it.
+/// largest SIMD DCT reduction (1/2, 1/4, 1/8) that allows it, and with a
+/// `region` (top, left, height, width in original pixels) only that region
+/// (`decode_jpeg_region`) when libjpeg's API is available.
 inline HwcImage item_pixels(const ImageBatch::Item& it, const ImageSize& size,
                             double min_side, double out_side, bool fast,
-                            std::vector<std::uint8_t>& buf, HwcImage decoded) {
+                            std::vector<std::uint8_t>& buf, HwcImage decoded,
+                            const CropBox* region = nullptr) {
   if (decoded.data) return decoded;
   if (it.decoded()) {
     auto hwc = it.image.permute({1, 2, 0}).contiguous();
@@ -520,6 +528,15 @@ inline HwcImage item_pixels(const ImageBatch::Item& it, const ImageSize& size,
   o.fast = fast;
   o.scale_num = jpeg_scale_for(static_cast<int64_t>(min_side), static_cast<int64_t>(min_side),
                                out_side);
+  JpegBlock block;
+  if (region && decode_jpeg_region(*it.bytes, static_cast<double>(region->top),
+                                   static_cast<double>(region->left),
+                                   static_cast<double>(region->height),
+                                   static_cast<double>(region->width), buf, block, o,
+                                   it.name)) {
+    return {buf.data() + block.offset, block.height, block.width, o.scale_num / 8.0, {},
+            block.top, block.left, block.stride};
+  }
   const auto s = decode_jpeg_hwc(*it.bytes, buf, o, it.name);
   return {buf.data(), s.height, s.width, o.scale_num / 8.0, {}};
 }
@@ -604,11 +621,11 @@ struct ImageNetTrain {
       }
       const auto px = detail::item_pixels(
           it, size, static_cast<double>(std::min(box.height, box.width)),
-          static_cast<double>(S), o.fast_decode(), buf, pre);
+          static_cast<double>(S), o.fast_decode(), buf, pre, &box);
       const double s = px.scale;
-      resample_normalize(px.data, px.height, px.width, px.width * 3, box.top * s,
-                         box.left * s, box.height * s, box.width * s, S, S, pf[k], o.mean(),
-                         o.std(), dst);
+      resample_normalize(px.data, px.height, px.width, px.row_bytes(),
+                         box.top * s - px.top, box.left * s - px.left, box.height * s,
+                         box.width * s, S, S, pf[k], o.mean(), o.std(), dst);
     }
     return out;
   }
@@ -661,7 +678,7 @@ struct ImageNetEval {
       // The window [top, top + size) of the resized image, in source pixels.
       const double fy = static_cast<double>(h) / oh * px.scale;
       const double fx = static_cast<double>(w) / ow * px.scale;
-      resample_normalize(px.data, px.height, px.width, px.width * 3, top * fy, left * fx,
+      resample_normalize(px.data, px.height, px.width, px.row_bytes(), top * fy, left * fx,
                          size * fy, size * fx, size, size, false, mean, std, dst,
                          /*clip=*/false);
     }
