@@ -50,9 +50,16 @@ namespace ddpkit::data {
 
 /// The bytes of `file`; a UsageError naming it when it cannot be read.
 inline std::vector<unsigned char> read_file_bytes(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
+  std::ifstream in(file, std::ios::binary | std::ios::ate);
   if (!in) throw UsageError(ddpkit::detail::cat("cannot open image ", file.string()));
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  const auto size = static_cast<std::streamoff>(in.tellg());
+  if (size < 0) throw UsageError(ddpkit::detail::cat("cannot read image ", file.string()));
+  std::vector<unsigned char> bytes(static_cast<std::size_t>(size));
+  in.seekg(0);
+  if (!in.read(reinterpret_cast<char*>(bytes.data()), size)) {
+    throw UsageError(ddpkit::detail::cat("cannot read image ", file.string()));
+  }
+  return bytes;
 }
 
 inline bool is_jpeg(const std::vector<unsigned char>& b) {
