@@ -8,12 +8,17 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #ifdef __SSE2__
 #include <emmintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DDPKIT_RESAMPLE_AVX2 1
+#include <immintrin.h>
 #endif
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -376,6 +381,69 @@ inline void bilinear_taps(double box0, double len, int64_t in_size, int64_t out_
   }
 }
 
+#ifdef DDPKIT_RESAMPLE_AVX2
+/// The vertical pass of `resample_normalize` with AVX2 + FMA (chosen at run
+/// time): `r[j] = sum_t wts[t] * rows[t][j]` for j below a multiple of 16,
+/// which it returns.
+__attribute__((target("avx2,fma"))) inline int64_t vertical_pass_avx2(
+    const std::uint8_t* const* rows, const float* wts, int64_t taps, int64_t n, float* r) {
+  const int64_t n16 = n & ~int64_t{15};
+  for (int64_t j = 0; j < n16; j += 16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (int64_t t = 0; t < taps; ++t) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t] + j));
+      const __m256 wt = _mm256_set1_ps(wts[t]);
+      a0 = _mm256_fmadd_ps(wt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), a0);
+      a1 = _mm256_fmadd_ps(wt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))),
+                           a1);
+    }
+    _mm256_storeu_ps(r + j, a0);
+    _mm256_storeu_ps(r + j + 8, a1);
+  }
+  return n16;
+}
+
+/// The horizontal pass of `resample_normalize` with AVX2 + FMA, two output
+/// pixels (RGB_ each) per vector; `w2` holds per pixel pair and tap the
+/// two weights, each repeated 4 times. Handles pixels below out_w & ~1.
+__attribute__((target("avx2,fma"))) inline void horizontal_pass_avx2(
+    const float* r, const int64_t* start, int64_t c0, const float* w2, int64_t kh,
+    int64_t out_w, const float* a4, const float* b4, bool flip, float* o0, float* o1,
+    float* o2) {
+  const __m256 a = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a4));
+  const __m256 b = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(b4));
+  alignas(32) float v[8];
+  for (int64_t ox = 0; ox + 1 < out_w; ox += 2) {
+    const float* pa = r + (start[ox] - c0) * 3;
+    const float* pb = r + (start[ox + 1] - c0) * 3;
+    const float* w = w2 + (ox / 2) * kh * 8;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kh; ++k) {
+      const __m256 px = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(pa + 3 * k)),
+                                             _mm_loadu_ps(pb + 3 * k), 1);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * k), px, acc);
+    }
+    _mm256_store_ps(v, _mm256_fmadd_ps(acc, a, b));
+    const int64_t xa = flip ? out_w - 1 - ox : ox;
+    const int64_t xb = flip ? xa - 1 : xa + 1;
+    o0[xa] = v[0];
+    o1[xa] = v[1];
+    o2[xa] = v[2];
+    o0[xb] = v[4];
+    o1[xb] = v[5];
+    o2[xb] = v[6];
+  }
+}
+
+/// Whether to take the AVX2 + FMA paths: the CPU has them and
+/// DDPKIT_NO_AVX2 is not set (to test or compare the SSE2 path).
+inline bool cpu_has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          std::getenv("DDPKIT_NO_AVX2") == nullptr;
+  return yes;
+}
+#endif
+
 }  // namespace detail
 
 /// Resamples the box `(y0, x0, box_h, box_w)` (pixel-edge coordinates, so
@@ -411,6 +479,22 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
              0.0f};
   const v4 b{-mean[0] / std[0], -mean[1] / std[1], -mean[2] / std[2], 0.0f};
   const int64_t plane = out_h * out_w, kh = th.k, kv = tv.k;
+#ifdef DDPKIT_RESAMPLE_AVX2
+  const bool avx2 = detail::cpu_has_avx2_fma();
+  thread_local std::vector<float> w2;
+  if (avx2) {
+    w2.resize(static_cast<std::size_t>((out_w / 2) * kh * 8));
+    for (int64_t p = 0; p < out_w / 2; ++p) {
+      for (int64_t k = 0; k < kh; ++k) {
+        float* d = w2.data() + (p * kh + k) * 8;
+        const float wa = th.w[static_cast<std::size_t>(2 * p * kh + k)];
+        const float wb = th.w[static_cast<std::size_t>((2 * p + 1) * kh + k)];
+        for (int i = 0; i < 4; ++i) d[i] = wa, d[4 + i] = wb;
+      }
+    }
+  }
+  const float a4[4] = {a[0], a[1], a[2], a[3]}, b4[4] = {b[0], b[1], b[2], b[3]};
+#endif
   for (int64_t oy = 0; oy < out_h; ++oy) {
     // Vertical: r = sum_k wv[k] * source row (start + k), columns c0..c1.
     const float* wv = tv.w.data() + oy * kv;
@@ -421,12 +505,16 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
       rows[static_cast<std::size_t>(taps)] = base + k * stride;
       wts[static_cast<std::size_t>(taps++)] = wv[k];
     }
+    int64_t done = 0;
+#ifdef DDPKIT_RESAMPLE_AVX2
+    if (avx2) done = detail::vertical_pass_avx2(rows.data(), wts.data(), taps, n, r);
+#endif
 #ifdef __SSE2__
     // 16 bytes per step: widened to four float vectors, every tap summed
     // in registers, one store per vector.
     const int64_t n4 = n & ~int64_t{15};
     const __m128i zero = _mm_setzero_si128();
-    for (int64_t j = 0; j < n4; j += 16) {
+    for (int64_t j = done; j < n4; j += 16) {
       __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t t = 0; t < taps; ++t) {
         const __m128i q = _mm_loadu_si128(
@@ -444,7 +532,7 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
       _mm_storeu_ps(r + j + 12, a3);
     }
 #else
-    const int64_t n4 = 0;
+    const int64_t n4 = done;
 #endif
     for (int64_t j = n4; j < n; ++j) {
       float acc = 0.0f;
@@ -457,7 +545,15 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
     float* o0 = out + oy * out_w;
     float* o1 = o0 + plane;
     float* o2 = o1 + plane;
-    for (int64_t ox = 0; ox < out_w; ++ox) {
+    int64_t ox0 = 0;
+#ifdef DDPKIT_RESAMPLE_AVX2
+    if (avx2) {
+      detail::horizontal_pass_avx2(r, th.start.data(), c0, w2.data(), kh, out_w, a4, b4, flip,
+                                   o0, o1, o2);
+      ox0 = out_w & ~int64_t{1};
+    }
+#endif
+    for (int64_t ox = ox0; ox < out_w; ++ox) {
       const float* px = r + (th.start[static_cast<std::size_t>(ox)] - c0) * 3;
       const float* wh = th.w.data() + ox * kh;
       v4 acc{0.0f, 0.0f, 0.0f, 0.0f};
