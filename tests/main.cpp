@@ -20,6 +20,10 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);
     try {
       return it->second();
+    } catch (const ddpkit::PeerFailure& e) {
+      std::fprintf(stderr, "worker %s (rank %s) stopped: %s\n", name,
+                   std::getenv("RANK") ? std::getenv("RANK") : "?", e.what());
+      return ddpkit::kPeerFailureExitCode;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "worker %s (rank %s) failed: %s\n", name,
                    std::getenv("RANK") ? std::getenv("RANK") : "?", e.what());

@@ -239,12 +239,19 @@ DDPKIT_WORKER(collectives) {
 }
 
 TEST_CASE("collectives over gloo with real processes") {
-  for (int world : {2, 4}) {
-    CAPTURE(world);
-    TempDir dir;
-    auto res = run_workers("collectives", world, dir.str());
-    CHECK(res.ok());
-    CHECK(res.message == "");
+  // Self-spawn meets through a private file; the TCPStore path is the one
+  // torchrun/SLURM/MPI jobs take.
+  for (std::string method : {"file", "tcp"}) {
+    for (int world : {2, 4}) {
+      CAPTURE(method);
+      CAPTURE(world);
+      TempDir dir;
+      dist::EnvVars env;
+      if (method == "tcp") env.emplace_back("DDPKIT_INIT_METHOD", "env://");
+      auto res = run_workers("collectives", world, dir.str(), env);
+      CHECK(res.ok());
+      CHECK(res.message == "");
+    }
   }
 }
 
@@ -343,19 +350,25 @@ TEST_CASE("spawn: a failing rank stops the job and is named") {
 }
 
 TEST_CASE("rendezvous with a missing rank times out with a clear error") {
-  TempDir dir;
-  auto t0 = std::chrono::steady_clock::now();
-  auto res = run_workers("rendezvous_missing_rank", 2, dir.str());
-  double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-          .count();
-  CHECK(res.exit_code == 4);
-  std::ifstream in(dir / "error.txt");
-  std::string msg((std::istreambuf_iterator<char>(in)), {});
-  MESSAGE(msg);
-  CHECK(msg.find("rendezvous at 127.0.0.1") != std::string::npos);
-  CHECK(msg.find("waiting for 2 ranks") != std::string::npos);
-  CHECK(secs < 15);
+  for (std::string method : {"tcp", "file"}) {
+    CAPTURE(method);
+    TempDir dir;
+    dist::EnvVars env;
+    if (method == "tcp") env.emplace_back("DDPKIT_INIT_METHOD", "env://");
+    auto t0 = std::chrono::steady_clock::now();
+    auto res = run_workers("rendezvous_missing_rank", 2, dir.str(), env);
+    double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count();
+    CHECK(res.exit_code == 4);
+    std::ifstream in(dir / "error.txt");
+    std::string msg((std::istreambuf_iterator<char>(in)), {});
+    MESSAGE(msg);
+    CHECK(msg.find(method == "tcp" ? "rendezvous at 127.0.0.1:" : "rendezvous at file://") !=
+          std::string::npos);
+    CHECK(msg.find("waiting for 2 ranks (1 joined") != std::string::npos);
+    CHECK(secs < 15);
+  }
 }
 
 }  // TEST_SUITE("dist")

@@ -162,8 +162,7 @@ inline std::string class_indices_json(const std::vector<std::string>& classes) {
 ///
 /// Example:
 /// ```
-/// auto flowers = ddpkit::data::read_image_folder("flower_photos",
-///     ddpkit::data::ImageFolderOptions().decode_min_side(256));
+/// auto flowers = ddpkit::data::read_image_folder("flower_photos");
 /// ddpkit::data::Loader loader(flowers.train, ddpkit::data::ImageNetTrain{},
 ///                             ddpkit::data::LoaderOptions(16).workers(4));
 /// ```

@@ -2,6 +2,9 @@
 // CIFAR recipe (random crop + flip + colour jitter + normalise) and the
 // ImageNet recipe (random resized crop + flip + normalise; resize + centre
 // crop for evaluation). Randomness comes only from the generator passed in.
+// The ImageNet transforms take `ImageFolder`'s undecoded files and decode
+// only the crop (at a reduced DCT scale when it allows) straight into one
+// fused resample + flip + normalise pass (`resample_normalize`).
 #pragma once
 
 #include <algorithm>

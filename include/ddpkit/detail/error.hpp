@@ -28,6 +28,18 @@ class DistError : public Error {
   using Error::Error;
 };
 
+/// A collective failed because a peer went away (died, was killed, or
+/// timed out). The rank that sees it is a casualty, not the cause: `launch`
+/// exits with `kPeerFailureExitCode`, and the self-spawn launcher names
+/// another rank as the cause when there is one.
+class PeerFailure : public DistError {
+ public:
+  using DistError::DistError;
+};
+
+/// Exit code of a rank that stopped because a peer failed (EX_TEMPFAIL).
+inline constexpr int kPeerFailureExitCode = 75;
+
 namespace detail {
 
 template <class... Args>

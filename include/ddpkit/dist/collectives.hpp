@@ -23,7 +23,7 @@ inline void wait(const Group& g, const compat::WorkPtr& work,
     work->wait();
   } catch (const std::exception& e) {
     std::string msg = e.what();
-    throw DistError(ddpkit::detail::cat(
+    throw PeerFailure(ddpkit::detail::cat(
         "rank ", g.rank(), ": ", what, " failed (a peer may have died or the ",
         "collective timed out after ", g.timeout().count() / 1000.0,
         " s): ", msg.substr(0, msg.find('\n'))));

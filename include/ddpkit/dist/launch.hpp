@@ -84,6 +84,9 @@ int launch(int argc, char** argv, int world_size, Fn&& fn,
   } catch (const UsageError& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
+  } catch (const PeerFailure& e) {
+    std::fprintf(stderr, "error (rank %d): %s\n", rank, e.what());
+    return kPeerFailureExitCode;
   } catch (const std::exception& e) {
     if (rank >= 0) {
       std::fprintf(stderr, "error (rank %d): %s\n", rank, e.what());

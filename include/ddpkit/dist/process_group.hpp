@@ -20,7 +20,8 @@ enum class BackendKind { automatic, gloo, nccl };
 /// How to meet the other ranks and talk to them.
 struct GroupOptions {
   /// `env://` (MASTER_ADDR/PORT from the DistEnv), `tcp://host:port`, or
-  /// `file:///path/to/shared/file`.
+  /// `file:///path/to/shared/file`. With `env://`, the environment variable
+  /// `DDPKIT_INIT_METHOD` (set by self-spawn) overrides it.
   TORCH_ARG(std::string, init_method) = "env://";
   TORCH_ARG(BackendKind, backend) = BackendKind::automatic;
   /// How long rank 0 waits for every rank to join, and clients to connect.
@@ -82,8 +83,12 @@ class Group {
                                            opts.rendezvous_timeout());
     auto coll_timeout = detail::env_timeout("DDPKIT_COLLECTIVE_TIMEOUT",
                                             opts.collective_timeout());
-    g.store_ = rendezvous(env, opts.init_method(), rdv_timeout);
-    wait_for_all(g.store_, env, rdv_timeout);
+    std::string method = opts.init_method();
+    if (method == "env://") {
+      if (const char* m = std::getenv("DDPKIT_INIT_METHOD")) method = m;
+    }
+    g.store_ = rendezvous(env, method, rdv_timeout);
+    wait_for_all(g.store_, env, method, rdv_timeout);
     g.backend_ = make_backend(g.store_, env, opts, coll_timeout);
     g.timeout_ = coll_timeout;
 #if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
@@ -163,6 +168,7 @@ class Group {
   // Every rank checks in; all wait until the last has. A missing rank is
   // then a timeout here, with a count, rather than deep inside gloo.
   static void wait_for_all(const compat::StorePtr& store, const DistEnv& env,
+                           const std::string& method,
                            std::chrono::milliseconds timeout) {
     using ddpkit::detail::cat;
     const std::string joined = "ddpkit/rendezvous/joined";
@@ -177,8 +183,10 @@ class Group {
         n = store->add(joined, 0);
       } catch (...) {
       }
-      throw DistError(cat("rank ", env.rank, ": rendezvous at ",
-                          env.master_addr, ":", env.master_port,
+      std::string where = method.rfind("file://", 0) == 0
+                              ? method
+                              : cat(env.master_addr, ":", env.master_port);
+      throw DistError(cat("rank ", env.rank, ": rendezvous at ", where,
                           " timed out after ", timeout.count() / 1000.0,
                           " s waiting for ", env.world_size, " ranks (", n,
                           " joined; is every rank started, with the same "

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fcntl.h>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <utility>
@@ -51,6 +52,10 @@ struct SpawnOptions {
   TORCH_ARG(int, master_port) = 0;
   /// Print the launcher's own failure message on stderr.
   TORCH_ARG(bool, report) = true;
+  /// Meet through a file in a fresh private folder (`file://`), so nothing
+  /// of the rendezvous listens on the network; false: a TCPStore on the
+  /// loopback port (it listens on every interface, as c10d's store does).
+  TORCH_ARG(bool, file_rendezvous) = true;
 };
 
 /// How one rank ended.
@@ -122,6 +127,25 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
       opts.master_port() > 0 ? opts.master_port() : free_loopback_port();
   std::string exe = opts.executable().empty() ? "/proc/self/exe"
                                               : opts.executable();
+  bool caller_sets_init = false;
+  for (auto& kv : opts.env()) caller_sets_init |= kv.first == "DDPKIT_INIT_METHOD";
+  std::string rdv_dir;
+  if (opts.file_rendezvous() && !caller_sets_init) {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "ddpkit-rdv-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      throw Error(cat("spawn: cannot create a rendezvous folder in ",
+                      std::filesystem::temp_directory_path().string(), ": ",
+                      std::strerror(errno)));
+    }
+    rdv_dir = tmpl;
+  }
+  struct RemoveDir {
+    std::string dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } remove_rdv_dir{rdv_dir};
 
   // Signals arrive through sigtimedwait, not handlers: block them here and
   // unblock them in each child before exec.
@@ -141,7 +165,8 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
       auto key = kv.substr(0, kv.find('='));
       if (key == "RANK" || key == "LOCAL_RANK" || key == "WORLD_SIZE" ||
           key == "LOCAL_WORLD_SIZE" || key == "MASTER_ADDR" ||
-          key == "MASTER_PORT" || key == "DDPKIT_SPAWNED") {
+          key == "MASTER_PORT" || key == "DDPKIT_SPAWNED" ||
+          key == "DDPKIT_INIT_METHOD") {
         continue;
       }
       env_strings.push_back(std::move(kv));
@@ -153,6 +178,9 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
     env_strings.push_back("MASTER_ADDR=127.0.0.1");
     env_strings.push_back(cat("MASTER_PORT=", result.master_port));
     env_strings.push_back("DDPKIT_SPAWNED=1");
+    if (!rdv_dir.empty()) {
+      env_strings.push_back("DDPKIT_INIT_METHOD=file://" + rdv_dir + "/store");
+    }
     for (auto& [k, v] : opts.env()) env_strings.push_back(k + "=" + v);
     std::vector<char*> envp;
     for (auto& s : env_strings) envp.push_back(s.data());
@@ -193,6 +221,7 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
   clock::time_point stop_started{};
   bool killed = false;
   bool interrupted = false;
+  bool sigterm_pending = false;
   auto stop_all = [&](int sig) {
     for (int r = 0; r < n; ++r) {
       if (pids[r] > 0) {
@@ -224,17 +253,44 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
       result.ranks[r] = ex;
       pids[r] = -1;
       --alive;
-      if (!ex.ok() && !result.first_failure && !interrupted) {
-        result.first_failure = ex;
+      if (!ex.ok() && !interrupted) {
+        // The cause is the first failure that is not a casualty: a rank
+        // stopped by us, or one that only saw a peer go away, is named
+        // only when nothing else failed.
+        auto casualty = [](const RankExit& e) {
+          return e.stopped_by_launcher ||
+                 (e.signal == 0 && e.exit_code == kPeerFailureExitCode);
+        };
+        if (!result.first_failure ||
+            (casualty(*result.first_failure) && !casualty(ex))) {
+          result.first_failure = ex;
+        }
         if (!stopping) {
           stopping = true;
+          stop_started = clock::now();
+          if (casualty(ex)) {
+            // Give the rank that caused it a moment to exit on its own, so
+            // it is reported rather than killed.
+            sigterm_pending = true;
+          } else {
+            stop_all(SIGTERM);
+          }
+        } else if (sigterm_pending && !casualty(ex)) {
+          sigterm_pending = false;
           stop_started = clock::now();
           stop_all(SIGTERM);
         }
       }
     }
     if (alive == 0) break;
-    if (stopping && !killed && clock::now() - stop_started > opts.grace()) {
+    if (sigterm_pending &&
+        clock::now() - stop_started > std::chrono::milliseconds(1000)) {
+      sigterm_pending = false;
+      stop_started = clock::now();
+      stop_all(SIGTERM);
+    }
+    if (stopping && !sigterm_pending && !killed &&
+        clock::now() - stop_started > opts.grace()) {
       stop_all(SIGKILL);
       killed = true;
     }

@@ -176,6 +176,7 @@ class Reducer {
     }
     next_to_launch_ = 0;
     callback_queued_ = false;
+    local_accumulation_ = false;
   }
 
   torch::Tensor view_of(std::size_t i) {
@@ -187,7 +188,10 @@ class Reducer {
   // Runs on the autograd thread as parameter i's gradient arrives (before it
   // is accumulated into .grad).
   void on_grad(std::size_t i, const torch::Tensor& grad) {
-    if (!enabled_) return;
+    if (!enabled_) {
+      local_accumulation_ = true;
+      return;
+    }
     if (!callback_queued_) {
       callback_queued_ = true;
       torch::autograd::Engine::get_default_engine().queue_callback(
@@ -198,9 +202,12 @@ class Reducer {
     auto view = view_of(i);
     view.copy_(grad);
     // After no_sync steps, .grad holds what was accumulated locally: the
-    // average must cover it too.
-    const auto& acc = params_[i].grad();
-    if (acc.defined()) view.add_(acc);
+    // average must cover it too. (Otherwise .grad is zero or undefined after
+    // zero_grad, and adding it would be a wasted pass over the gradients.)
+    if (local_accumulation_) {
+      const auto& acc = params_[i].grad();
+      if (acc.defined()) view.add_(acc);
+    }
     mark_ready(i);
   }
 
@@ -297,6 +304,8 @@ class Reducer {
   std::size_t next_to_launch_ = 0;
   bool callback_queued_ = false;
   bool enabled_ = true;
+  // A backward ran under no_sync since the last synced one.
+  bool local_accumulation_ = false;
   double last_wait_seconds_ = 0;
 };
 
