@@ -289,3 +289,107 @@ TEST_CASE("both evaluation strategies give the same loss and accuracy") {
   CHECK(read_file(dir / "eval2") == r0);
 }
 }
+
+namespace {
+
+/// A user sampler that shards unevenly: rank r gets 16 + 16r samples.
+class UnevenSampling : public data::detail::IndexCursor {
+ public:
+  using sampler_concept = sampler_tag;
+  static constexpr bool is_distributed = true;
+  UnevenSampling(std::size_t, data::ShardSpec spec) : rank_(spec.rank) { reset(); }
+  void reset(c10::optional<std::size_t> = c10::nullopt) {
+    indices_.clear();
+    for (std::size_t i = 0; i < 16u + 16u * rank_; ++i) indices_.push_back(i);
+    position_ = 0;
+  }
+  void set_epoch(std::size_t) { reset(); }
+
+ private:
+  int rank_;
+};
+
+struct CountingHooks {
+  int epochs_begun = 0, steps = 0, epochs_ended = 0;
+  void on_epoch_begin(int) { ++epochs_begun; }
+  void on_step_end(const train::StepInfo& s) {
+    ++steps;
+    CHECK(s.loss > 0);
+  }
+  void on_epoch_end(const train::EpochMetrics& m) {
+    ++epochs_ended;
+    CHECK(m.epoch == epochs_ended);
+  }
+};
+
+}  // namespace
+
+DDPKIT_WORKER(uneven_inputs) {
+  auto g = test::worker_group();
+  auto d = make_data(96, 10);
+  Trainer<TinyNet, DDP, UnevenSampling, PlainBN> trainer(
+      TinyNet(), adam(), base_options(test::worker_dir() / "out", 1).verbose(false), g);
+  try {
+    trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                data::LoaderOptions(16).workers(0));
+  } catch (const UsageError& e) {
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank()))) << e.what();
+    return 2;
+  }
+  return 0;
+}
+
+DDPKIT_WORKER(world_size_mismatch) {
+  auto env = dist::read_env();
+  if (env.rank == 1) env.world_size = 3;  // as if its WORLD_SIZE were 3
+  try {
+    dist::Group::init(env, test::test_group_options().rendezvous_timeout(std::chrono::seconds(5)));
+  } catch (const Error& e) {
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(env.rank))) << e.what();
+    return 2;
+  }
+  return 0;
+}
+
+TEST_SUITE("train") {
+
+TEST_CASE("uneven inputs are refused before the epoch, on every rank") {
+  TempDir dir;
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = run_workers("uneven_inputs", 2, dir.str());
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(res.exit_code == 2);
+  CHECK(secs < 10);
+  for (int r = 0; r < 2; ++r) {
+    auto msg = read_file(dir / ("error" + std::to_string(r)));
+    CAPTURE(msg);
+    CHECK(msg.find("rank 1 has 2 batches but rank 0 has 1") != std::string::npos);
+  }
+}
+
+TEST_CASE("ranks started with different world sizes fail at start-up") {
+  TempDir dir;
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = run_workers("world_size_mismatch", 2, dir.str());
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(res.exit_code == 2);
+  CHECK(secs < 10);
+  auto msg = read_file(dir / "error1");
+  MESSAGE(msg);
+  CHECK(msg.find("rank 1 was started with world size 3 but rank 0 with 2") != std::string::npos);
+}
+
+TEST_CASE("user hooks are called at epoch begin, step end and epoch end") {
+  auto d = make_data(48, 10);
+  TempDir out;
+  SingleDeviceTrainer<TinyNet> trainer(TinyNet(), adam(),
+                                       base_options(out.path(), 2).verbose(false));
+  CountingHooks hooks;
+  trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+              data::LoaderOptions(16).workers(0), hooks);
+  CHECK(hooks.epochs_begun == 2);
+  CHECK(hooks.steps == 6);
+  CHECK(hooks.epochs_ended == 2);
+}
+
+}  // TEST_SUITE("train")

@@ -173,6 +173,25 @@ class Group {
     using ddpkit::detail::cat;
     const std::string joined = "ddpkit/rendezvous/joined";
     const std::string done = "ddpkit/rendezvous/complete";
+    // Ranks told different world sizes would wait for each other forever:
+    // compare with rank 0's before waiting.
+    const std::string ws_key = "ddpkit/rendezvous/world_size";
+    int64_t rank0_world = -1;
+    try {
+      auto bytes = std::to_string(env.world_size);
+      if (env.rank == 0) {
+        store->set(ws_key, std::vector<uint8_t>(bytes.begin(), bytes.end()));
+      }
+      auto got = store->get(ws_key);
+      rank0_world = std::stoll(std::string(got.begin(), got.end()));
+    } catch (const c10::Error&) {
+      // rank 0 never arrived: reported below as a timeout
+    }
+    if (rank0_world > 0 && rank0_world != env.world_size) {
+      throw UsageError(cat("rank ", env.rank, " was started with world size ",
+                           env.world_size, " but rank 0 with ", rank0_world,
+                           "; every rank must get the same WORLD_SIZE"));
+    }
     try {
       auto n = store->add(joined, 1);
       if (n == env.world_size) store->set(done, std::vector<uint8_t>{1});

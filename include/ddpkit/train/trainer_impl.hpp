@@ -288,6 +288,20 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     if constexpr (requires { hooks.on_epoch_begin(epoch); }) hooks.on_epoch_begin(epoch);
     module.train();
     auto batches = loader.epoch(indices, static_cast<std::size_t>(epoch));
+    if (multi) {
+      // Uneven inputs would leave the ranks with more batches waiting in a
+      // gradient all-reduce nobody else joins: refuse before the epoch.
+      auto counts = dist::all_gather_value(group_, static_cast<int64_t>(batches.size()));
+      for (int r = 0; r < world; ++r) {
+        if (counts[r] != counts[0]) {
+          throw UsageError(ddpkit::detail::cat(
+              "epoch ", epoch + 1, ": rank ", r, " has ", counts[r],
+              " batches but rank 0 has ", counts[0],
+              " (uneven inputs would hang DDP); use a sampler that gives "
+              "every rank the same number of samples, e.g. DistributedSampling"));
+        }
+      }
+    }
     progress.begin_epoch(epoch + 1, epochs, batches.size());
     double loss_sum = 0, correct = 0, count = 0;
     std::size_t step = 0;
