@@ -30,6 +30,17 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  // DDPKIT_TEST_LAUNCH=name:N makes this process a self-spawn launcher of N
+  // ranks of worker `name` (tests signal it like a user would).
+  if (const char* launch = std::getenv("DDPKIT_TEST_LAUNCH")) {
+    std::string spec = launch;
+    auto colon = spec.find(':');
+    auto name = spec.substr(0, colon);
+    int n = std::stoi(spec.substr(colon + 1));
+    ddpkit::dist::EnvVars env{{"DDPKIT_TEST_WORKER", name}, {"OMP_NUM_THREADS", "1"}};
+    ::unsetenv("DDPKIT_TEST_LAUNCH");
+    return ddpkit::dist::spawn(ddpkit::dist::SpawnOptions(n).env(env)).exit_code;
+  }
   doctest::Context context;
   context.applyCommandLine(argc, argv);
   return context.run();

@@ -3,7 +3,7 @@
 // compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp.
 //
 //   ./cifar10-ddp --world-size 2          # self-spawned, 2 ranks
-//   torchrun --nproc_per_node=2 --no-python ./cifar10-ddp
+//   torchrun --nproc_per_node=2 --no_python ./cifar10-ddp
 //   ./cifar10-single --data ~/datasets    # reads cifar-10-batches-bin
 #include <ddpkit/cli.hpp>
 #include <ddpkit/ddpkit.hpp>
@@ -45,12 +45,7 @@ int main(int argc, char** argv) {
                  "training images of the built-in synthetic set")
       ->check(CLI::PositiveNumber)->capture_default_str();
   if (auto code = ddpkit::cli::parse(app, argc, argv)) return *code;
-  if (!Mode::is_multi_process && args.world_size > 1) {
-    std::fprintf(stderr, "error: --world-size %d needs the ddp build (cifar10-ddp); "
-                 "this is the %s build\n", args.world_size, Mode::name);
-    return 2;
-  }
-  if (args.out.empty()) args.out = std::string("runs/cifar10-") + Mode::name;
+  if (auto code = ddpkit::cli::finish_args<Mode>(args, "cifar10")) return *code;
 
   return ddpkit::dist::launch(argc, argv, args.world_size, [&](ddpkit::dist::Group& group) {
     torch::set_num_threads(args.threads);

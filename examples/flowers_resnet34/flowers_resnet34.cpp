@@ -4,7 +4,7 @@
 // compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp.
 //
 //   ./flowers-resnet34-ddp --world-size 2 --image-size 64
-//   torchrun --nproc_per_node=8 --no-python ./flowers-resnet34-ddp --data flower_photos
+//   torchrun --nproc_per_node=8 --no_python ./flowers-resnet34-ddp --data flower_photos
 //   ./flowers-resnet34-single --data flower_photos --weights resnet34.pt --freeze-layers
 #include <ddpkit/cli.hpp>
 #include <ddpkit/ddpkit.hpp>
@@ -58,12 +58,7 @@ int main(int argc, char** argv) {
                  "images per class of the generated folder when --data is not given")
       ->check(CLI::PositiveNumber)->capture_default_str();
   if (auto code = ddpkit::cli::parse(app, argc, argv)) return *code;
-  if (!Mode::is_multi_process && args.world_size > 1) {
-    std::fprintf(stderr, "error: --world-size %d needs the ddp build (flowers-resnet34-ddp); "
-                 "this is the %s build\n", args.world_size, Mode::name);
-    return 2;
-  }
-  if (args.out.empty()) args.out = std::string("runs/flowers-resnet34-") + Mode::name;
+  if (auto code = ddpkit::cli::finish_args<Mode>(args, "flowers-resnet34")) return *code;
 
   return ddpkit::dist::launch(argc, argv, args.world_size, [&](ddpkit::dist::Group& group) {
     torch::set_num_threads(args.threads);

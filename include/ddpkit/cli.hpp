@@ -73,4 +73,20 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
   return std::nullopt;
 }
 
+/// Checks what the parallel policy `Mode` can do with `args` (only DDP
+/// builds spawn ranks) and fills in the default output folder
+/// `runs/<example>-<mode>`. Returns 2 after a message, or nullopt.
+template <class Mode>
+std::optional<int> finish_args(CommonArgs& args, const std::string& example) {
+  if (!Mode::is_multi_process && args.world_size > 1) {
+    std::fprintf(stderr,
+                 "error: --world-size %d needs the ddp build (%s-ddp); this is "
+                 "the %s build\n",
+                 args.world_size, example.c_str(), Mode::name);
+    return 2;
+  }
+  if (args.out.empty()) args.out = "runs/" + example + "-" + Mode::name;
+  return std::nullopt;
+}
+
 }  // namespace ddpkit::cli

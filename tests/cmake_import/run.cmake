@@ -1,5 +1,6 @@
 # ctest -P script: install the build tree into a fresh prefix, configure and
-# build tests/cmake_import against it, run the consumer.
+# build tests/cmake_import against it, run the consumer; then build one
+# example on its own against the same prefix.
 set(prefix ${BUILD_DIR}/cmake_import/prefix)
 set(work ${BUILD_DIR}/cmake_import/build)
 file(REMOVE_RECURSE ${prefix} ${work})
@@ -21,4 +22,23 @@ endif()
 execute_process(COMMAND ${work}/consumer RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "the consumer failed")
+endif()
+
+# An example builds on its own against the installed package too.
+set(ex_work ${BUILD_DIR}/cmake_import/example)
+file(REMOVE_RECURSE ${ex_work})
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${EXAMPLE_DIR} -B ${ex_work} -G Ninja
+                        -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
+                        -DDDPKIT_MODE=single
+                RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "configuring examples/cifar10 alone failed")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${ex_work} RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "building examples/cifar10 alone failed")
+endif()
+execute_process(COMMAND ${ex_work}/bin/cifar10-single --help RESULT_VARIABLE rc OUTPUT_VARIABLE help)
+if(rc OR NOT help MATCHES "--world-size")
+  message(FATAL_ERROR "the standalone cifar10-single does not run")
 endif()

@@ -372,3 +372,46 @@ TEST_CASE("rendezvous with a missing rank times out with a clear error") {
 }
 
 }  // TEST_SUITE("dist")
+
+// ---- bad input at rendezvous ----------------------------------------------------
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+TEST_SUITE("dist") {
+
+TEST_CASE("rendezvous: an unresolvable MASTER_ADDR is a usage error naming it") {
+  auto env = dist::explicit_env(1, 2, "no-such-host.invalid", 29500);
+  CHECK_THROWS_WITH_AS(
+      dist::Group::init(env, dist::GroupOptions().init_method("env://")
+                                 .rendezvous_timeout(std::chrono::seconds(2))),
+      doctest::Contains("MASTER_ADDR 'no-such-host.invalid' cannot be resolved"),
+      UsageError);
+}
+
+TEST_CASE("rendezvous: a MASTER_PORT already in use is a usage error naming it") {
+  // Hold a listening socket on a port, then ask rank 0 to host there.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(fd, 1) == 0);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  auto env = dist::explicit_env(0, 2, "127.0.0.1", port);
+  auto t0 = std::chrono::steady_clock::now();
+  const std::string expected =
+      "port " + std::to_string(port) + ": the port is already in use";
+  CHECK_THROWS_WITH_AS(
+      dist::Group::init(env, dist::GroupOptions().init_method("env://")
+                                 .rendezvous_timeout(std::chrono::seconds(3))),
+      doctest::Contains(expected.c_str()), UsageError);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3));
+  ::close(fd);
+}
+
+}  // TEST_SUITE("dist")

@@ -293,7 +293,7 @@ TEST_CASE("both evaluation strategies give the same loss and accuracy") {
 namespace {
 
 /// A user sampler that shards unevenly: rank r gets 16 + 16r samples.
-class UnevenSampling : public data::detail::IndexCursor {
+class UnevenSampling : public data::detail::IndexCursor<UnevenSampling> {
  public:
   using sampler_concept = sampler_tag;
   static constexpr bool is_distributed = true;
@@ -393,3 +393,68 @@ TEST_CASE("user hooks are called at epoch begin, step end and epoch end") {
 }
 
 }  // TEST_SUITE("train")
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+DDPKIT_WORKER(long_training) {
+  auto g = test::worker_group();
+  std::ofstream(test::worker_dir() / ("pid" + std::to_string(g.rank()))) << ::getpid();
+  auto d = make_data(64, 16);
+  DDPTrainer<TinyNet> trainer(TinyNet(), adam(),
+                              base_options(test::worker_dir() / "out", 1000).verbose(false), g);
+  trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+              data::LoaderOptions(16).workers(1));
+  return 0;
+}
+
+TEST_SUITE("train") {
+TEST_CASE("SIGTERM to the launcher stops every rank and leaves last.pt loadable") {
+  TempDir dir;
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
+  env_strings.push_back("DDPKIT_TEST_LAUNCH=long_training:2");
+  env_strings.push_back("DDPKIT_TEST_DIR=" + dir.str());
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string exe = fs::read_symlink("/proc/self/exe").string();
+  char* argv[] = {exe.data(), nullptr};
+  pid_t launcher = ::fork();
+  REQUIRE(launcher >= 0);
+  if (launcher == 0) {
+    ::execve(exe.c_str(), argv, envp.data());
+    ::_exit(127);
+  }
+  auto last = dir / "out" / "checkpoints" / "last.pt";
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (!fs::exists(last) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  REQUIRE(fs::exists(last));
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // mid-epoch
+  auto t0 = std::chrono::steady_clock::now();
+  ::kill(launcher, SIGTERM);
+  int status = 0;
+  while (::waitpid(launcher, &status, WNOHANG) == 0 &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(15)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  MESSAGE("launcher and ranks stopped ", secs, " s after SIGTERM");
+  CHECK(secs < 10);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 128 + SIGTERM);
+  for (int r = 0; r < 2; ++r) {
+    int pid = std::stoi(read_file(dir / ("pid" + std::to_string(r))));
+    CHECK(::kill(pid, 0) != 0);  // gone
+  }
+  auto archive = train::open_checkpoint(last);
+  TinyNet net;
+  train::load_module_checked(*net, archive, "model", last);
+  torch::Tensor epochs;
+  archive.read("epochs_done", epochs);
+  CHECK(epochs.item<double>() >= 1);
+}
+}

@@ -51,7 +51,9 @@ inline std::vector<std::size_t> seeded_permutation(std::size_t n,
   return std::vector<std::size_t>(p, p + n);
 }
 
-/// Shared cursor logic: hands out `indices_` in chunks of at most n.
+/// Shared cursor logic: hands out `indices_` in chunks of at most n, and
+/// saves/loads the position. `Derived::reset()` rebuilds an epoch's indices.
+template <class Derived>
 class IndexCursor {
  public:
   using BatchRequestType = std::vector<std::size_t>;
@@ -80,14 +82,18 @@ class IndexCursor {
                   true);
   }
 
- protected:
-  void load_cursor(torch::serialize::InputArchive& archive) {
+  /// Restores the epoch and the position within it.
+  void load(torch::serialize::InputArchive& archive) {
     torch::Tensor pos, ep;
     archive.read("position", pos, true);
     archive.read("epoch", ep, true);
     epoch_ = static_cast<std::size_t>(ep.item<int64_t>());
-    position_ = static_cast<std::size_t>(pos.item<int64_t>());
+    static_cast<Derived&>(*this).reset();
+    position_ = std::min(static_cast<std::size_t>(pos.item<int64_t>()),
+                         indices_.size());
   }
+
+ protected:
 
   std::vector<std::size_t> indices_;
   std::size_t position_ = 0;
@@ -97,7 +103,7 @@ class IndexCursor {
 }  // namespace detail
 
 /// Indices 0..n-1 in order. Not shardable: one process sees everything.
-class SequentialSampling : public detail::IndexCursor {
+class SequentialSampling : public detail::IndexCursor<SequentialSampling> {
  public:
   using sampler_concept = sampler_tag;
   static constexpr bool is_distributed = false;
@@ -111,19 +117,13 @@ class SequentialSampling : public detail::IndexCursor {
     position_ = 0;
   }
   void set_epoch(std::size_t epoch) { epoch_ = epoch; }
-  void load(torch::serialize::InputArchive& archive) {
-    load_cursor(archive);
-    auto pos = position_;
-    reset();
-    position_ = std::min(pos, indices_.size());
-  }
 
  private:
   std::size_t n_;
 };
 
 /// A permutation seeded by `seed + epoch`, new each `set_epoch`.
-class RandomSampling : public detail::IndexCursor {
+class RandomSampling : public detail::IndexCursor<RandomSampling> {
  public:
   using sampler_concept = sampler_tag;
   static constexpr bool is_distributed = false;
@@ -140,12 +140,6 @@ class RandomSampling : public detail::IndexCursor {
   void set_epoch(std::size_t epoch) {
     epoch_ = epoch;
     reset();
-  }
-  void load(torch::serialize::InputArchive& archive) {
-    load_cursor(archive);
-    auto pos = position_;
-    reset();
-    position_ = std::min(pos, indices_.size());
   }
 
  private:
@@ -173,7 +167,7 @@ struct DistributedSamplingOptions {
 /// s.set_epoch(3);
 /// auto batch = s.next(2);  // two of this rank's 3 indices
 /// ```
-class DistributedSampling : public detail::IndexCursor {
+class DistributedSampling : public detail::IndexCursor<DistributedSampling> {
  public:
   using sampler_concept = sampler_tag;
   static constexpr bool is_distributed = true;
@@ -223,12 +217,6 @@ class DistributedSampling : public detail::IndexCursor {
     reset();
   }
   std::size_t epoch() const { return epoch_; }
-  void load(torch::serialize::InputArchive& archive) {
-    load_cursor(archive);
-    auto pos = position_;
-    reset();
-    position_ = std::min(pos, indices_.size());
-  }
 
  private:
   std::size_t n_;

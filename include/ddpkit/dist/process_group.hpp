@@ -3,6 +3,10 @@
 // `Group` is a cheap handle; a world of one needs no store and no backend.
 #pragma once
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -39,6 +43,21 @@ namespace detail {
 
 inline bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+/// A master address that does not resolve is bad input, not a timeout.
+inline void check_resolvable(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (rc != 0) {
+    throw UsageError(ddpkit::detail::cat(
+        "MASTER_ADDR '", host, "' cannot be resolved (", ::gai_strerror(rc),
+        "); expected the host name or IP address of rank 0"));
+  }
+  ::freeaddrinfo(res);
 }
 
 inline std::chrono::milliseconds env_timeout(const char* name,
@@ -142,31 +161,37 @@ class Group {
                              "' is unknown (expected env://, tcp://host:port "
                              "or file:///path)"));
       }
+      detail::check_resolvable(host);
       return compat::make_tcp_store(host, port, env.rank == 0, env.world_size,
                                     timeout);
     } catch (const c10::Error& e) {
-      std::string what = e.what_without_backtrace();
-      if (what.find("ddress already in use") != std::string::npos) {
-        throw DistError(cat("rank ", env.rank, ": cannot host the rendezvous "
-                            "store on ", host, ":", port,
-                            ": the port is already in use (choose another "
-                            "MASTER_PORT)"));
-      }
-      throw DistError(cat("rank ", env.rank, ": rendezvous at ", host, ":",
-                          port, " failed within ", timeout.count() / 1000.0,
-                          " s waiting for ", env.world_size,
-                          " ranks (is every rank started, with the same "
-                          "MASTER_ADDR/MASTER_PORT?): ",
-                          what.substr(0, what.find('\n'))));
+      rendezvous_failed(env, host, port, timeout, e.what_without_backtrace());
+    } catch (const Error&) {
+      throw;
     } catch (const std::exception& e) {
-      if (dynamic_cast<const Error*>(&e)) throw;
-      throw DistError(cat("rank ", env.rank, ": rendezvous at ", host, ":",
-                          port, " failed: ", e.what()));
+      rendezvous_failed(env, host, port, timeout, e.what());
     }
   }
 
-  // Every rank checks in; all wait until the last has. A missing rank is
-  // then a timeout here, with a count, rather than deep inside gloo.
+  [[noreturn]] static void rendezvous_failed(const DistEnv& env,
+                                             const std::string& host, int port,
+                                             std::chrono::milliseconds timeout,
+                                             const std::string& what) {
+    using ddpkit::detail::cat;
+    if (what.find("ddress already in use") != std::string::npos) {
+      throw UsageError(cat("rank ", env.rank, ": cannot host the rendezvous "
+                           "store on port ", port,
+                           ": the port is already in use (choose another "
+                           "MASTER_PORT)"));
+    }
+    throw DistError(cat("rank ", env.rank, ": rendezvous at ", host, ":", port,
+                        " failed within ", timeout.count() / 1000.0,
+                        " s waiting for ", env.world_size,
+                        " ranks (is every rank started, with the same "
+                        "MASTER_ADDR/MASTER_PORT?): ",
+                        what.substr(0, what.find('\n'))));
+  }
+
   static void wait_for_all(const compat::StorePtr& store, const DistEnv& env,
                            const std::string& method,
                            std::chrono::milliseconds timeout) {

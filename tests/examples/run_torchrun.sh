@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# run_torchrun.sh BINARY OUT_DIR [args...]: runs a -ddp example under
+# PyTorch's own launcher (torchrun = python3 -m torch.distributed.run, from
+# Debian's python3-torch) with 2 processes and checks it left one set of
+# outputs, trained 1 epoch and printed each epoch line once. Exits 77 (skip)
+# when no Python with torch is installed.
+set -euo pipefail
+bin=$1 out=$2
+shift 2
+py=""
+for p in /usr/bin/python3 python3; do
+  if "$p" -c "import torch.distributed.run" 2>/dev/null; then py=$p; break; fi
+done
+[[ -n $py ]] || { echo "no python3 with torch: skipped"; exit 77; }
+rm -rf "$out"
+log=$(mktemp)
+# --redirects 2 --tee 2: Debian's torchrun 1.13 on Python 3.11 cannot parse
+# the default "0" (IntFlag no longer iterates Std.NONE) and crashes.
+"$py" -m torch.distributed.run --standalone --nproc_per_node=2 --redirects 2 --tee 2 --no_python \
+  "$bin" --out "$out" --epochs 1 "$@" 2>&1 | tee "$log"
+grep -q '"world_size": 2' "$out/summary.json" || { echo "summary does not say world_size 2"; exit 1; }
+[[ $(grep -c '"epoch"' "$out/metrics.jsonl") == 1 ]] || { echo "expected 1 metrics row"; exit 1; }
+[[ $(grep -c '^epoch 1/1 ' "$log") == 1 ]] || { echo "epoch line not printed exactly once"; exit 1; }
+echo "torchrun launch: ok"
