@@ -111,7 +111,7 @@ def main():
         s, ms = r["summary"], r["metrics"]
         spe = sum(m["seconds"] for m in ms) / len(ms) if ms else 0
         test = s.get("test_acc")
-        lines.append(f"| {r['folder']} | {s.get('mode', '?')} | {s.get('world_size', '?')} | {len(ms)} | "
+        lines.append(f"| {os.path.basename(os.path.normpath(r['folder']))} | {s.get('mode', '?')} | {s.get('world_size', '?')} | {len(ms)} | "
                      f"{s.get('best_val_acc', 0):.4f} | {s.get('final_val_acc', 0):.4f} | "
                      f"{'%.4f' % test if test is not None else '–'} | {spe:.1f} | {s.get('images_per_second', 0):.0f} |")
     md = "# ddpkit runs\n\n![accuracy](accuracy.svg)\n\n![epoch time](epoch_time.svg)\n\n" + "\n".join(lines) + "\n"
