@@ -64,7 +64,9 @@ class Args {
     auto it = kv_.find(k);
     return it == kv_.end() ? dflt : std::stod(it->second);
   }
-  bool has(const std::string& k) const { return kv_.count(k) != 0; }
+  bool has(const std::string& k) const {
+    return kv_.count(k) != 0;
+  }
 
  private:
   std::map<std::string, std::string> kv_;
@@ -93,9 +95,9 @@ inline Values run_world(int world, std::vector<std::string> args,
                   ("ddpkit-bench-" + std::to_string(::getpid()) + "-" +
                    std::to_string(counter++) + ".txt");
   args.insert(args.begin(), "--rank-task");
-  auto res = ddpkit::dist::spawn(ddpkit::dist::SpawnOptions(world)
-                                     .args(args)
-                                     .env({{"DDPKIT_BENCH_RESULT", file}}));
+  auto res =
+      ddpkit::dist::spawn(ddpkit::dist::SpawnOptions(world).args(args).env(
+          {{"DDPKIT_BENCH_RESULT", file}}));
   Values v;
   if (!res.ok()) {
     if (error) *error = res.message;
@@ -192,7 +194,9 @@ namespace ddpkit_bench {
 struct NullComm {
   static constexpr const char* name = "none";
   struct DoneWork : c10d::Work {
-    DoneWork() { finish(); }
+    DoneWork() {
+      finish();
+    }
   };
   static ddpkit::dist::compat::WorkPtr start(const ddpkit::dist::Group&,
                                              torch::Tensor&, torch::Tensor&) {

@@ -49,7 +49,8 @@ double timed(const dd::Group& g, int warmup, int reps, Op&& op) {
 
 int reps_for(int64_t bytes, bool quick) {
   int64_t budget = (quick ? 128 : 512) * kMiB;
-  return static_cast<int>(std::clamp<int64_t>(budget / bytes, 3, quick ? 50 : 200));
+  return static_cast<int>(
+      std::clamp<int64_t>(budget / bytes, 3, quick ? 50 : 200));
 }
 
 b::Values bandwidth(const dd::Group& g, const b::Args& a) {
@@ -57,7 +58,8 @@ b::Values bandwidth(const dd::Group& g, const b::Args& a) {
   const bool quick = a.has("quick");
   b::Values v;
   for (auto bytes : sweep_sizes(static_cast<int64_t>(a.num("max_bytes")))) {
-    auto t = torch::ones({bytes / 4}, torch::TensorOptions(torch::kFloat32).device(dev));
+    auto t = torch::ones({bytes / 4},
+                         torch::TensorOptions(torch::kFloat32).device(dev));
     double s = timed(g, 2, reps_for(bytes, quick), [&] {
       dd::all_reduce(g, t);
       b::sync_device(t);
@@ -77,9 +79,9 @@ std::vector<int64_t> bucket_bytes(Model model, double cap_mib) {
     names.push_back(p.key());
     params.push_back(p.value());
   }
-  dp::Reducer<b::NullComm> r(
-      params, names, dd::Group(),
-      dp::ReducerOptions().bucket_cap_bytes(static_cast<int64_t>(cap_mib * kMiB)));
+  dp::Reducer<b::NullComm> r(params, names, dd::Group(),
+                             dp::ReducerOptions().bucket_cap_bytes(
+                                 static_cast<int64_t>(cap_mib * kMiB)));
   std::vector<int64_t> out;
   for (auto& bk : r.buckets()) out.push_back(bk.flat.numel() * 4);
   return out;
@@ -92,11 +94,13 @@ b::Values bucketed(const dd::Group& g, const b::Args& a) {
   b::Values v;
   int64_t total = 0;
   for (double cap : {1.0, 5.0, 25.0, 100.0}) {
-    auto sizes = b::with_model(model, [&](auto m) { return bucket_bytes(m, cap); });
+    auto sizes =
+        b::with_model(model, [&](auto m) { return bucket_bytes(m, cap); });
     std::vector<torch::Tensor> bufs;
     total = 0;
     for (auto s : sizes) {
-      bufs.push_back(torch::ones({s / 4}, torch::TensorOptions(torch::kFloat32).device(dev)));
+      bufs.push_back(torch::ones(
+          {s / 4}, torch::TensorOptions(torch::kFloat32).device(dev)));
       total += s;
     }
     double s = timed(g, 2, reps, [&] {
@@ -108,7 +112,8 @@ b::Values bucketed(const dd::Group& g, const b::Args& a) {
     v["cap" + std::to_string(static_cast<int>(cap))] = s;
     v["buckets" + std::to_string(static_cast<int>(cap))] = double(sizes.size());
   }
-  auto flat = torch::ones({total / 4}, torch::TensorOptions(torch::kFloat32).device(dev));
+  auto flat = torch::ones({total / 4},
+                          torch::TensorOptions(torch::kFloat32).device(dev));
   v["flat"] = timed(g, 2, reps, [&] {
     dd::all_reduce(g, flat);
     b::sync_device(flat);
@@ -159,9 +164,12 @@ void register_point(const std::string& name, int world,
           st.counters["bytes"] = double(bytes);
           st.counters["world"] = world;
           st.counters["algbw_GBps"] = bytes / t / 1e9;
-          if (bus) st.counters["busbw_GBps"] = bytes / t / 1e9 * 2 * (world - 1) / world;
+          if (bus)
+            st.counters["busbw_GBps"] =
+                bytes / t / 1e9 * 2 * (world - 1) / world;
           for (auto& [k, x] : v) {
-            if (k.rfind("buckets", 0) == 0 || k == "grad_bytes") st.counters[k] = x;
+            if (k.rfind("buckets", 0) == 0 || k == "grad_bytes")
+              st.counters[k] = x;
           }
         }
       })
@@ -190,8 +198,8 @@ void register_all(const b::Args& o) {
     args.push_back("--task=bandwidth");
     args.push_back("--max_bytes=" + std::to_string(max_bytes));
     for (auto bytes : sweep_sizes(max_bytes)) {
-      register_point("allreduce/bytes:" + std::to_string(bytes) + "/world:" +
-                         std::to_string(w),
+      register_point("allreduce/bytes:" + std::to_string(bytes) +
+                         "/world:" + std::to_string(w),
                      w, args, "t" + std::to_string(bytes), bytes, true);
     }
   }
@@ -199,7 +207,8 @@ void register_all(const b::Args& o) {
     auto args = q;
     args.push_back("--task=bucketed");
     args.push_back("--model=resnet18");
-    auto grad = b::with_model("resnet18", [](auto m) { return b::gradient_bytes(*m); });
+    auto grad =
+        b::with_model("resnet18", [](auto m) { return b::gradient_bytes(*m); });
     for (int cap : {1, 5, 25, 100}) {
       register_point("bucketed_comm/resnet18/cap_mib:" + std::to_string(cap), 2,
                      args, "cap" + std::to_string(cap), grad, false);

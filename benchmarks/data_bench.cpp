@@ -34,11 +34,12 @@ double process_cpu_seconds() {
 const std::filesystem::path& jpeg_dir() {
   static const std::filesystem::path dir = [] {
     const char* env = std::getenv("DDPKIT_BENCH_JPEG_DIR");
-    std::filesystem::path d = env ? env
-                                  : std::filesystem::temp_directory_path() /
-                                        "ddpkit-bench-jpeg";
+    std::filesystem::path d =
+        env ? env
+            : std::filesystem::temp_directory_path() / "ddpkit-bench-jpeg";
     if (!std::filesystem::exists(d / "daisy")) {
-      dd::make_jpeg_folder(d, dd::JpegFolderOptions().images_per_class(40).short_side(375));
+      dd::make_jpeg_folder(
+          d, dd::JpegFolderOptions().images_per_class(40).short_side(375));
     }
     return d;
   }();
@@ -56,10 +57,14 @@ void BM_CifarTrainAugment(benchmark::State& state) {
     benchmark::DoNotOptimize(aug(set.images, gen));
   }
   state.SetItemsProcessed(state.iterations() * batch);
-  state.counters["images/s"] =
-      benchmark::Counter(double(state.iterations() * batch), benchmark::Counter::kIsRate);
+  state.counters["images/s"] = benchmark::Counter(
+      double(state.iterations() * batch), benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_CifarTrainAugment)->Arg(128)->Arg(256)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CifarTrainAugment)
+    ->Arg(128)
+    ->Arg(256)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 /// One worker thread's pipeline: read + decode + random resized crop 224 +
 /// flip + normalise, batches of 32, made synchronously on this thread (the
@@ -69,8 +74,10 @@ BENCHMARK(BM_CifarTrainAugment)->Arg(128)->Arg(256)->Unit(benchmark::kMillisecon
 void BM_JpegFolderPipeline(benchmark::State& state) {
   torch::set_num_threads(1);
   auto folder = dd::read_image_folder(
-      jpeg_dir(), dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
-  dd::ImageNetTrain aug{dd::ImageNetTrainOptions().fast_decode(state.range(0) != 0)};
+      jpeg_dir(),
+      dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
+  dd::ImageNetTrain aug{
+      dd::ImageNetTrainOptions().fast_decode(state.range(0) != 0)};
   dd::Loader loader(folder.train, aug, dd::LoaderOptions(32).workers(0));
   std::vector<std::size_t> idx(folder.train.size());
   std::iota(idx.begin(), idx.end(), 0);
@@ -84,19 +91,27 @@ void BM_JpegFolderPipeline(benchmark::State& state) {
   }
   const double cpu = process_cpu_seconds() - cpu0;
   state.SetItemsProcessed(images);
-  state.counters["images/s"] = benchmark::Counter(double(images), benchmark::Counter::kIsRate);
+  state.counters["images/s"] =
+      benchmark::Counter(double(images), benchmark::Counter::kIsRate);
   state.counters["images/cpu_s"] = double(images) / cpu;
 }
-BENCHMARK(BM_JpegFolderPipeline)->Arg(0)->Arg(1)->ArgName("fast_decode")
-    ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+BENCHMARK(BM_JpegFolderPipeline)
+    ->Arg(0)
+    ->Arg(1)
+    ->ArgName("fast_decode")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(2.0);
 
 /// The evaluation transform (decode + resize 256 + centre crop 224 +
 /// normalise) on the same folder, one thread.
 void BM_JpegFolderEval(benchmark::State& state) {
   torch::set_num_threads(1);
   auto folder = dd::read_image_folder(
-      jpeg_dir(), dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
-  dd::Loader loader(folder.train, dd::ImageNetEval{}, dd::LoaderOptions(32).workers(0));
+      jpeg_dir(),
+      dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
+  dd::Loader loader(folder.train, dd::ImageNetEval{},
+                    dd::LoaderOptions(32).workers(0));
   std::vector<std::size_t> idx(folder.train.size());
   std::iota(idx.begin(), idx.end(), 0);
   const auto nb = loader.num_batches(idx.size());
@@ -106,7 +121,8 @@ void BM_JpegFolderEval(benchmark::State& state) {
     images += batch.target.size(0);
     benchmark::DoNotOptimize(batch.data);
   }
-  state.counters["images/s"] = benchmark::Counter(double(images), benchmark::Counter::kIsRate);
+  state.counters["images/s"] =
+      benchmark::Counter(double(images), benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_JpegFolderEval)->Unit(benchmark::kMillisecond)->UseRealTime();
 
@@ -116,21 +132,28 @@ void BM_JpegFolderLoader(benchmark::State& state) {
   torch::set_num_threads(1);
   const int workers = static_cast<int>(state.range(0));
   auto folder = dd::read_image_folder(
-      jpeg_dir(), dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
-  dd::Loader loader(folder.train, dd::ImageNetTrain{},
-                    dd::LoaderOptions(32).workers(workers).prefetch(2 * workers));
+      jpeg_dir(),
+      dd::ImageFolderOptions().class_indices_json("").val_ratio(0.1));
+  dd::Loader loader(
+      folder.train, dd::ImageNetTrain{},
+      dd::LoaderOptions(32).workers(workers).prefetch(2 * workers));
   std::vector<std::size_t> idx(folder.train.size());
   std::iota(idx.begin(), idx.end(), 0);
   std::size_t images = 0, epoch = 0;
   for (auto _ : state) {
     for (dd::Batch b : loader.epoch(idx, epoch++)) images += b.target.size(0);
   }
-  state.counters["images/s"] = benchmark::Counter(double(images), benchmark::Counter::kIsRate);
+  state.counters["images/s"] =
+      benchmark::Counter(double(images), benchmark::Counter::kIsRate);
   state.counters["images/s/worker"] =
       benchmark::Counter(double(images) / workers, benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_JpegFolderLoader)->Arg(1)->Arg(2)->ArgName("workers")
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_JpegFolderLoader)
+    ->Arg(1)
+    ->Arg(2)
+    ->ArgName("workers")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 

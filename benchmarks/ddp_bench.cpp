@@ -38,7 +38,8 @@ double cpu_seconds(bool kernel_only = false) {
   rusage u{};
   ::getrusage(RUSAGE_SELF, &u);
   double sys = u.ru_stime.tv_sec + 1e-6 * u.ru_stime.tv_usec;
-  return kernel_only ? sys : sys + u.ru_utime.tv_sec + 1e-6 * u.ru_utime.tv_usec;
+  return kernel_only ? sys
+                     : sys + u.ru_utime.tv_sec + 1e-6 * u.ru_utime.tv_usec;
 }
 
 torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& y) {
@@ -140,12 +141,11 @@ b::Values train(Model model, const dd::Group& g, const b::Args& a) {
   double buckets = 0;
 
   if (mode == "ddp") {
-    buckets = ddp_steps<dp::DDP>(model, g, a, data, warmup, steps, times,
-                                 waits, cpu0, sys0);
+    buckets = ddp_steps<dp::DDP>(model, g, a, data, warmup, steps, times, waits,
+                                 cpu0, sys0);
   } else if (mode == "ddp_nocomm") {
-    buckets = ddp_steps<dp::BasicDDP<b::NullComm>>(model, g, a, data, warmup,
-                                                   steps, times, waits, cpu0,
-                                                   sys0);
+    buckets = ddp_steps<dp::BasicDDP<b::NullComm>>(
+        model, g, a, data, warmup, steps, times, waits, cpu0, sys0);
   } else if (mode == "flat" || mode == "bare") {
     // bare: the model alone in every rank, no communication at all (what
     // sharing the machine with the other ranks costs by itself).
@@ -212,9 +212,8 @@ int rank_main(int argc, char** argv) {
   b::Args a(argc, argv);
   torch::set_num_threads(static_cast<int>(a.num("threads", 1)));
   auto g = dd::Group::init(dd::read_env());
-  auto v = b::with_model(a.str("model", "resnet18"), [&](auto m) {
-    return train(std::move(m), g, a);
-  });
+  auto v = b::with_model(a.str("model", "resnet18"),
+                         [&](auto m) { return train(std::move(m), g, a); });
   b::write_values(g, v);
   return 0;
 }
@@ -258,8 +257,8 @@ void local_step(benchmark::State& st, Model model, Local kind,
       names.push_back(p.key());
       params.push_back(p.value());
     }
-    reducer = std::make_unique<dp::Reducer<b::NullComm>>(params, names,
-                                                          dd::Group());
+    reducer =
+        std::make_unique<dp::Reducer<b::NullComm>>(params, names, dd::Group());
     st.counters["buckets"] = double(reducer->buckets().size());
   }
   run([&] {
@@ -282,7 +281,9 @@ bool wants(const std::string& sections, const std::string& s) {
          ("," + sections + ",").find("," + s + ",") != std::string::npos;
 }
 
-std::string itos(double x) { return std::to_string(static_cast<long long>(x)); }
+std::string itos(double x) {
+  return std::to_string(static_cast<long long>(x));
+}
 
 void register_all(const b::Args& o) {
   const bool quick = o.has("quick");
@@ -311,11 +312,10 @@ void register_all(const b::Args& o) {
       for (auto& m : overhead_models) {
         for (int w : {1, 2}) {
           if (w > b::max_world()) continue;
-          b::register_world("overhead/" + m.label() + "/world:" +
-                                std::to_string(w) + "/round:" +
-                                std::to_string(r),
-                            w, cat(m.args(), steps_for(m.name, false)),
-                            b::all_counters);
+          b::register_world(
+              "overhead/" + m.label() + "/world:" + std::to_string(w) +
+                  "/round:" + std::to_string(r),
+              w, cat(m.args(), steps_for(m.name, false)), b::all_counters);
         }
       }
     }
@@ -326,8 +326,7 @@ void register_all(const b::Args& o) {
     // communication (ddp).
     for (auto& m : overhead_models) {
       for (auto mode : {"bare", "ddp_nocomm", "ddp", "flat"}) {
-        b::register_world("decompose/" + m.label() + "/world:2/mode:" + mode,
-                          2,
+        b::register_world("decompose/" + m.label() + "/world:2/mode:" + mode, 2,
                           cat(cat(m.args(), steps_for(m.name, false)),
                               {std::string("--mode=") + mode}),
                           b::all_counters);
@@ -343,19 +342,18 @@ void register_all(const b::Args& o) {
               {"--mode=ddp", "--bucket_mib=" + std::to_string(cap)}),
           b::all_counters);
     }
-    b::register_world("buckets/" + m.label() + "/flat", 2,
-                      cat(cat(m.args(), steps_for(m.name, false)),
-                          {"--mode=flat"}),
-                      b::all_counters);
+    b::register_world(
+        "buckets/" + m.label() + "/flat", 2,
+        cat(cat(m.args(), steps_for(m.name, false)), {"--mode=flat"}),
+        b::all_counters);
   }
   if (wants(sections, "scaling")) {
     for (auto& m : scaling_models) {
       for (int w : parse_ints(o.str("worlds", "1,2,4,8"))) {
         if (w > b::max_world()) continue;
-        b::register_world("scaling/" + m.label() + "/world:" +
-                              std::to_string(w),
-                          w, cat(m.args(), steps_for(m.name, true)),
-                          b::all_counters);
+        b::register_world(
+            "scaling/" + m.label() + "/world:" + std::to_string(w), w,
+            cat(m.args(), steps_for(m.name, true)), b::all_counters);
       }
     }
   }
@@ -392,9 +390,8 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  auto own = b::take_own_flags(argc, argv,
-                               {"quick", "sections", "rounds", "round-id",
-                                "worlds"});
+  auto own = b::take_own_flags(
+      argc, argv, {"quick", "sections", "rounds", "round-id", "worlds"});
   register_all(own);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -1,8 +1,8 @@
 // The policy concepts as a wall of positive and negative static_asserts:
 // every shipped policy satisfies its concept, nothing satisfies one by
 // accident, and the combination rules accept exactly the right pairs.
-#include "support.hpp"
 #include "ddpkit/ddpkit.hpp"
+#include "support.hpp"
 
 using namespace ddpkit;
 
@@ -14,7 +14,9 @@ struct LooksLikeParallelButNoTag {
 };
 struct MyScaling {  // a user policy, written from NoScaling's template
   using lr_scaling_concept = lr_scaling_tag;
-  static double scale(double lr, int w) { return lr * (1 + 0.5 * (w - 1)); }
+  static double scale(double lr, int w) {
+    return lr * (1 + 0.5 * (w - 1));
+  }
 };
 using Holder = nn::CifarNet;
 using Ptr = std::shared_ptr<nn::CifarNetImpl>;
@@ -61,12 +63,15 @@ static_assert(trainable_model<Holder>);
 static_assert(trainable_model<Ptr>);
 static_assert(trainable_model<nn::ResNet>);
 static_assert(!trainable_model<int>);
-static_assert(!trainable_model<std::shared_ptr<torch::nn::Module>>);  // no forward
+static_assert(
+    !trainable_model<std::shared_ptr<torch::nn::Module>>);  // no forward
 // combinations
 static_assert(sampler_matches_parallel_policy<DDP, DistributedSampling>);
 static_assert(sampler_matches_parallel_policy<SingleDevice, RandomSampling>);
-static_assert(sampler_matches_parallel_policy<DataParallel, SequentialSampling>);
-static_assert(!sampler_matches_parallel_policy<SingleDevice, DistributedSampling>);
+static_assert(
+    sampler_matches_parallel_policy<DataParallel, SequentialSampling>);
+static_assert(
+    !sampler_matches_parallel_policy<SingleDevice, DistributedSampling>);
 static_assert(!sampler_matches_parallel_policy<DDP, RandomSampling>);
 static_assert(bn_matches_parallel_policy<DDP, SyncBN>);
 static_assert(bn_matches_parallel_policy<DDP, PlainBN>);
@@ -74,12 +79,13 @@ static_assert(bn_matches_parallel_policy<SingleDevice, PlainBN>);
 static_assert(!bn_matches_parallel_policy<SingleDevice, SyncBN>);
 static_assert(!bn_matches_parallel_policy<DataParallel, SyncBN>);
 // the named combinations are valid types
-static_assert(std::is_class_v<DDPTrainer<Holder, SyncBN, LinearScaling, ShardedEval>>);
+static_assert(
+    std::is_class_v<DDPTrainer<Holder, SyncBN, LinearScaling, ShardedEval>>);
 static_assert(std::is_class_v<SingleDeviceTrainer<Holder>>);
 static_assert(std::is_class_v<DataParallelTrainer<nn::ResNet>>);
 
 TEST_SUITE("train") {
-TEST_CASE("a user LR-scaling policy plugs in") {
-  CHECK(train::lr_at<MyScaling>(0.1, 3, {}, 0, 1) == doctest::Approx(0.2));
-}
+  TEST_CASE("a user LR-scaling policy plugs in") {
+    CHECK(train::lr_at<MyScaling>(0.1, 3, {}, 0, 1) == doctest::Approx(0.2));
+  }
 }

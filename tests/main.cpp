@@ -37,9 +37,11 @@ int main(int argc, char** argv) {
     auto colon = spec.find(':');
     auto name = spec.substr(0, colon);
     int n = std::stoi(spec.substr(colon + 1));
-    ddpkit::dist::EnvVars env{{"DDPKIT_TEST_WORKER", name}, {"OMP_NUM_THREADS", "1"}};
+    ddpkit::dist::EnvVars env{{"DDPKIT_TEST_WORKER", name},
+                              {"OMP_NUM_THREADS", "1"}};
     ::unsetenv("DDPKIT_TEST_LAUNCH");
-    return ddpkit::dist::spawn(ddpkit::dist::SpawnOptions(n).env(env)).exit_code;
+    return ddpkit::dist::spawn(ddpkit::dist::SpawnOptions(n).env(env))
+        .exit_code;
   }
   doctest::Context context;
   context.applyCommandLine(argc, argv);

@@ -26,15 +26,17 @@ inline std::map<std::string, WorkerFn>& workers() {
 }
 
 struct RegisterWorker {
-  RegisterWorker(const char* name, WorkerFn fn) { workers()[name] = fn; }
+  RegisterWorker(const char* name, WorkerFn fn) {
+    workers()[name] = fn;
+  }
 };
 
 /// Defines a function run in each rank's process by `run_workers("name")`.
 /// It returns the process exit code; throwing fails the rank too.
-#define DDPKIT_WORKER(name)                                            \
-  static int name##_worker_fn();                                       \
-  static ::ddpkit::test::RegisterWorker name##_worker_registration(    \
-      #name, &name##_worker_fn);                                       \
+#define DDPKIT_WORKER(name)                                         \
+  static int name##_worker_fn();                                    \
+  static ::ddpkit::test::RegisterWorker name##_worker_registration( \
+      #name, &name##_worker_fn);                                    \
   static int name##_worker_fn()
 
 /// A fresh folder under the system temp dir, removed by the destructor.
@@ -52,8 +54,12 @@ class TempDir {
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-  std::string str() const { return path_.string(); }
+  const std::filesystem::path& path() const {
+    return path_;
+  }
+  std::string str() const {
+    return path_.string();
+  }
   std::filesystem::path operator/(const std::string& p) const {
     return path_ / p;
   }
@@ -101,7 +107,8 @@ inline torch::Tensor load_tensor(const std::filesystem::path& p) {
   return t;
 }
 
-inline void save_tensor(const torch::Tensor& t, const std::filesystem::path& p) {
+inline void save_tensor(const torch::Tensor& t,
+                        const std::filesystem::path& p) {
   torch::save(t, p.string());
 }
 

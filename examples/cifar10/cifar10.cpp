@@ -30,8 +30,9 @@ constexpr double kValRatio = 0.1;
 constexpr std::size_t kSyntheticTrain = 6000;
 constexpr std::size_t kSyntheticTest = 1000;
 
-using Trainer = ddpkit::Trainer<ddpkit::nn::CifarNet, Mode, ddpkit::sampling_for<Mode>,
-                                ddpkit::PlainBN, ddpkit::NoScaling, ddpkit::RankZeroEval>;
+using Trainer =
+    ddpkit::Trainer<ddpkit::nn::CifarNet, Mode, ddpkit::sampling_for<Mode>,
+                    ddpkit::PlainBN, ddpkit::NoScaling, ddpkit::RankZeroEval>;
 
 int main(int argc, char** argv) {
   ddpkit::cli::CommonArgs args;
@@ -39,70 +40,83 @@ int main(int argc, char** argv) {
   args.batch_size = kBatchPerRank;
   args.lr = kLr;
   std::size_t synthetic_size = kSyntheticTrain;
-  CLI::App app{"ddpkit CIFAR-10 example (" + std::string(Mode::name) + " build)"};
+  CLI::App app{"ddpkit CIFAR-10 example (" + std::string(Mode::name) +
+               " build)"};
   ddpkit::cli::add_common_options(app, args);
   app.add_option("--synthetic-size", synthetic_size,
                  "training images of the built-in synthetic set")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   if (auto code = ddpkit::cli::parse(app, argc, argv)) return *code;
   if (auto code = ddpkit::cli::finish_args<Mode>(args, "cifar10")) return *code;
 
-  return ddpkit::dist::launch(argc, argv, args.world_size, [&](ddpkit::dist::Group& group) {
-    torch::set_num_threads(args.threads);
-    // Data: the real CIFAR-10 when --data is given, else the built-in set.
-    ddpkit::data::ImageTensors train_all, test;
-    if (args.data.empty()) {
-      train_all = ddpkit::data::make_synthetic(ddpkit::data::SyntheticOptions(synthetic_size).seed(1));
-      test = ddpkit::data::make_synthetic(ddpkit::data::SyntheticOptions(kSyntheticTest).seed(2));
-    } else {
-      auto c = ddpkit::data::load_cifar10(args.data);
-      train_all = c.train;
-      test = c.test;
-    }
-    auto split = ddpkit::data::split_train_val(train_all, kValRatio, args.seed);
-    if (group.is_main() && !args.quiet) {
-      std::printf("cifar10 %s: world size %d, %zu train / %zu val / %zu test images (%s)\n",
-                  Mode::name, Mode::is_multi_process ? group.size() : 1,
-                  split.train.size(), split.val.size(), test.size(),
-                  args.data.empty() ? "built-in synthetic set" : args.data.c_str());
-    }
-    // Initial weights from the seed; DDP then broadcasts rank 0's to all.
-    torch::manual_seed(args.seed);
-    ddpkit::nn::CifarNet model(ddpkit::nn::CifarNetOptions(10));
-    auto opts = ddpkit::TrainerOptions()
-                    .epochs(args.epochs)
-                    .lr(args.lr)
-                    .schedule(ddpkit::train::ScheduleOptions()
-                                  .kind(ddpkit::train::Schedule::step)
-                                  .step_size(kStepSize)
-                                  .gamma(kGamma))
-                    .patience(kPatience)
-                    .out_dir(args.out)
-                    .resume(args.resume)
-                    .max_steps(args.max_steps)
-                    .seed(args.seed)
-                    .verbose(!args.quiet)
-                    .run_name("cifar10")
-                    .mixed_precision(true);  // takes effect on CUDA only
-    Trainer trainer(
-        model,
-        [](std::vector<torch::Tensor> params) {
-          return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(kLr));
-        },
-        opts, group, ddpkit::parallel_options<Mode>(args.devices));
-    auto loader = ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
-    auto result = trainer.fit(split.train, split.val, ddpkit::data::CifarTrain{},
-                              ddpkit::data::CifarEval{}, loader);
-    // The test set once, at the end, evaluated the recipe's way.
-    auto t = trainer.evaluate(test, ddpkit::data::CifarEval{}, loader);
-    if (group.is_main()) {
-      trainer.write_summary(result, &t);
-      if (!args.quiet) {
-        std::printf("done: %d epochs, best val_acc %.4f (epoch %d), test_acc %.4f, %.1f s; outputs in %s\n",
-                    result.epochs_run, result.best_val_acc, result.best_epoch, t.accuracy,
-                    result.total_seconds, args.out.c_str());
-      }
-    }
-    return 0;
-  });
+  return ddpkit::dist::launch(
+      argc, argv, args.world_size, [&](ddpkit::dist::Group& group) {
+        torch::set_num_threads(args.threads);
+        // Data: the real CIFAR-10 when --data is given, else the built-in set.
+        ddpkit::data::ImageTensors train_all, test;
+        if (args.data.empty()) {
+          train_all = ddpkit::data::make_synthetic(
+              ddpkit::data::SyntheticOptions(synthetic_size).seed(1));
+          test = ddpkit::data::make_synthetic(
+              ddpkit::data::SyntheticOptions(kSyntheticTest).seed(2));
+        } else {
+          auto c = ddpkit::data::load_cifar10(args.data);
+          train_all = c.train;
+          test = c.test;
+        }
+        auto split =
+            ddpkit::data::split_train_val(train_all, kValRatio, args.seed);
+        if (group.is_main() && !args.quiet) {
+          std::printf(
+              "cifar10 %s: world size %d, %zu train / %zu val / %zu test "
+              "images (%s)\n",
+              Mode::name, Mode::is_multi_process ? group.size() : 1,
+              split.train.size(), split.val.size(), test.size(),
+              args.data.empty() ? "built-in synthetic set" : args.data.c_str());
+        }
+        // Initial weights from the seed; DDP then broadcasts rank 0's to all.
+        torch::manual_seed(args.seed);
+        ddpkit::nn::CifarNet model(ddpkit::nn::CifarNetOptions(10));
+        auto opts = ddpkit::TrainerOptions()
+                        .epochs(args.epochs)
+                        .lr(args.lr)
+                        .schedule(ddpkit::train::ScheduleOptions()
+                                      .kind(ddpkit::train::Schedule::step)
+                                      .step_size(kStepSize)
+                                      .gamma(kGamma))
+                        .patience(kPatience)
+                        .out_dir(args.out)
+                        .resume(args.resume)
+                        .max_steps(args.max_steps)
+                        .seed(args.seed)
+                        .verbose(!args.quiet)
+                        .run_name("cifar10")
+                        .mixed_precision(true);  // takes effect on CUDA only
+        Trainer trainer(
+            model,
+            [](std::vector<torch::Tensor> params) {
+              return std::make_unique<torch::optim::Adam>(
+                  params, torch::optim::AdamOptions(kLr));
+            },
+            opts, group, ddpkit::parallel_options<Mode>(args.devices));
+        auto loader =
+            ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
+        auto result =
+            trainer.fit(split.train, split.val, ddpkit::data::CifarTrain{},
+                        ddpkit::data::CifarEval{}, loader);
+        // The test set once, at the end, evaluated the recipe's way.
+        auto t = trainer.evaluate(test, ddpkit::data::CifarEval{}, loader);
+        if (group.is_main()) {
+          trainer.write_summary(result, &t);
+          if (!args.quiet) {
+            std::printf(
+                "done: %d epochs, best val_acc %.4f (epoch %d), test_acc %.4f, "
+                "%.1f s; outputs in %s\n",
+                result.epochs_run, result.best_val_acc, result.best_epoch,
+                t.accuracy, result.total_seconds, args.out.c_str());
+          }
+        }
+        return 0;
+      });
 }

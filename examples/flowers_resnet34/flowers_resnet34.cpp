@@ -4,8 +4,10 @@
 // compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp.
 //
 //   ./flowers-resnet34-ddp --world-size 2 --image-size 64
-//   torchrun --nproc_per_node=8 --no_python ./flowers-resnet34-ddp --data flower_photos
-//   ./flowers-resnet34-single --data flower_photos --weights resnet34.pt --freeze-layers
+//   torchrun --nproc_per_node=8 --no_python ./flowers-resnet34-ddp --data
+//   flower_photos
+//   ./flowers-resnet34-single --data flower_photos --weights resnet34.pt
+//   --freeze-layers
 #include <ddpkit/cli.hpp>
 #include <ddpkit/ddpkit.hpp>
 
@@ -31,9 +33,10 @@ constexpr double kWeightDecay = 0.005;
 constexpr int kImageSize = 224;
 
 // SyncBN where there are several processes to synchronise, plain BN else.
-using Trainer = ddpkit::Trainer<ddpkit::nn::ResNet, Mode, ddpkit::sampling_for<Mode>,
-                                ddpkit::sync_bn_for<Mode>, ddpkit::LinearScaling,
-                                ddpkit::ShardedEval>;
+using Trainer =
+    ddpkit::Trainer<ddpkit::nn::ResNet, Mode, ddpkit::sampling_for<Mode>,
+                    ddpkit::sync_bn_for<Mode>, ddpkit::LinearScaling,
+                    ddpkit::ShardedEval>;
 
 int main(int argc, char** argv) {
   namespace fs = std::filesystem;
@@ -46,101 +49,129 @@ int main(int argc, char** argv) {
   std::string weights;
   bool freeze_layers = false;
   std::size_t synthetic_per_class = 60;
-  CLI::App app{"ddpkit flowers / ResNet34 example (" + std::string(Mode::name) + " build)"};
+  CLI::App app{"ddpkit flowers / ResNet34 example (" + std::string(Mode::name) +
+               " build)"};
   ddpkit::cli::add_common_options(app, args);
-  app.add_option("--image-size", image_size, "training crop size (224 as in the recipe; 64 for CPU runs)")
-      ->check(CLI::Range(16, 1024))->capture_default_str();
-  app.add_option("--num-classes", num_classes, "classes")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--weights", weights, "state dict to start from (tensors of another shape are skipped)")
+  app.add_option("--image-size", image_size,
+                 "training crop size (224 as in the recipe; 64 for CPU runs)")
+      ->check(CLI::Range(16, 1024))
+      ->capture_default_str();
+  app.add_option("--num-classes", num_classes, "classes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option(
+         "--weights", weights,
+         "state dict to start from (tensors of another shape are skipped)")
       ->check(CLI::ExistingFile);
   app.add_flag("--freeze-layers", freeze_layers, "train only fc");
-  app.add_option("--synthetic-per-class", synthetic_per_class,
-                 "images per class of the generated folder when --data is not given")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option(
+         "--synthetic-per-class", synthetic_per_class,
+         "images per class of the generated folder when --data is not given")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   if (auto code = ddpkit::cli::parse(app, argc, argv)) return *code;
-  if (auto code = ddpkit::cli::finish_args<Mode>(args, "flowers-resnet34")) return *code;
+  if (auto code = ddpkit::cli::finish_args<Mode>(args, "flowers-resnet34"))
+    return *code;
 
-  return ddpkit::dist::launch(argc, argv, args.world_size, [&](ddpkit::dist::Group& group) {
-    torch::set_num_threads(args.threads);
-    const fs::path out = args.out;
-    fs::path root = args.data;
-    if (root.empty()) {
-      // No download: rank 0 draws a small flower_photos-like JPEG folder.
-      root = out / "synthetic_flower_photos";
-      if (group.is_main() && !fs::exists(root / "daisy")) {
-        ddpkit::data::make_jpeg_folder(
-            root, ddpkit::data::JpegFolderOptions().images_per_class(synthetic_per_class).seed(args.seed));
-      }
-      if (Mode::is_multi_process) ddpkit::dist::barrier(group);
-    }
-    fs::create_directories(out);
-    auto folder = ddpkit::data::read_image_folder(
-        root, ddpkit::data::ImageFolderOptions().seed(0).class_indices_json(
-                  group.is_main() ? out / "class_indices.json" : fs::path()));
-    if (static_cast<int>(folder.classes.size()) != num_classes && group.is_main()) {
-      std::printf("note: %zu classes found in %s; using that many outputs\n",
-                  folder.classes.size(), root.c_str());
-    }
-    num_classes = static_cast<int>(folder.classes.size());
-    if (group.is_main() && !args.quiet) {
-      std::printf("flowers-resnet34 %s: world size %d, %zu train / %zu val images, %d classes, %dpx\n",
-                  Mode::name, Mode::is_multi_process ? group.size() : 1, folder.train.size(),
-                  folder.val.size(), num_classes, image_size);
-    }
-    torch::manual_seed(args.seed);
-    auto model = ddpkit::nn::resnet34(num_classes);
-    if (!weights.empty()) {
-      // The recipe's transfer-learning step: keep what fits, skip fc if the
-      // class count differs.
-      auto report = ddpkit::nn::load_state_dict(
-          *model, weights, ddpkit::nn::LoadStateDictOptions().strict(false).skip_mismatched(true));
-      if (group.is_main()) {
-        std::printf("loaded %zu tensors from %s (%zu skipped for shape, %zu missing)\n",
-                    report.loaded.size(), weights.c_str(), report.skipped_shape.size(),
-                    report.missing.size());
-      }
-    }
-    if (freeze_layers) {
-      for (auto& p : model->named_parameters()) {
-        if (p.key().rfind("fc.", 0) != 0) p.value().set_requires_grad(false);
-      }
-    }
-    auto opts = ddpkit::TrainerOptions()
-                    .epochs(args.epochs)
-                    .lr(args.lr)
-                    .schedule(ddpkit::train::ScheduleOptions()
-                                  .kind(ddpkit::train::Schedule::cosine)
-                                  .lrf(kLrf))
-                    .out_dir(args.out)
-                    .resume(args.resume)
-                    .max_steps(args.max_steps)
-                    .seed(args.seed)
-                    .verbose(!args.quiet)
-                    .weights_pattern("weights/model-{epoch}.pt")
-                    .run_name("flowers-resnet34");
-    Trainer trainer(
-        model,
-        [](std::vector<torch::Tensor> params) {
-          std::vector<torch::Tensor> trainable;
-          for (auto& p : params) {
-            if (p.requires_grad()) trainable.push_back(p);
+  return ddpkit::dist::launch(
+      argc, argv, args.world_size, [&](ddpkit::dist::Group& group) {
+        torch::set_num_threads(args.threads);
+        const fs::path out = args.out;
+        fs::path root = args.data;
+        if (root.empty()) {
+          // No download: rank 0 draws a small flower_photos-like JPEG folder.
+          root = out / "synthetic_flower_photos";
+          if (group.is_main() && !fs::exists(root / "daisy")) {
+            ddpkit::data::make_jpeg_folder(
+                root, ddpkit::data::JpegFolderOptions()
+                          .images_per_class(synthetic_per_class)
+                          .seed(args.seed));
           }
-          return std::make_unique<torch::optim::SGD>(
-              trainable,
-              torch::optim::SGDOptions(kLr).momentum(kMomentum).weight_decay(kWeightDecay));
-        },
-        opts, group, ddpkit::parallel_options<Mode>(args.devices));
-    auto loader = ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
-    ddpkit::data::ImageNetTrain train_tf;
-    train_tf.options.size(image_size);
-    ddpkit::data::ImageNetEval eval_tf;
-    eval_tf.size = image_size;
-    auto result = trainer.fit(folder.train, folder.val, train_tf, eval_tf, loader);
-    if (group.is_main() && !args.quiet) {
-      std::printf("done: %d epochs, best val_acc %.4f (epoch %d), %.1f s; outputs in %s\n",
-                  result.epochs_run, result.best_val_acc, result.best_epoch,
-                  result.total_seconds, args.out.c_str());
-    }
-    return 0;
-  });
+          if (Mode::is_multi_process) ddpkit::dist::barrier(group);
+        }
+        fs::create_directories(out);
+        auto folder = ddpkit::data::read_image_folder(
+            root,
+            ddpkit::data::ImageFolderOptions().seed(0).class_indices_json(
+                group.is_main() ? out / "class_indices.json" : fs::path()));
+        if (static_cast<int>(folder.classes.size()) != num_classes &&
+            group.is_main()) {
+          std::printf(
+              "note: %zu classes found in %s; using that many outputs\n",
+              folder.classes.size(), root.c_str());
+        }
+        num_classes = static_cast<int>(folder.classes.size());
+        if (group.is_main() && !args.quiet) {
+          std::printf(
+              "flowers-resnet34 %s: world size %d, %zu train / %zu val images, "
+              "%d classes, %dpx\n",
+              Mode::name, Mode::is_multi_process ? group.size() : 1,
+              folder.train.size(), folder.val.size(), num_classes, image_size);
+        }
+        torch::manual_seed(args.seed);
+        auto model = ddpkit::nn::resnet34(num_classes);
+        if (!weights.empty()) {
+          // The recipe's transfer-learning step: keep what fits, skip fc if the
+          // class count differs.
+          auto report = ddpkit::nn::load_state_dict(
+              *model, weights,
+              ddpkit::nn::LoadStateDictOptions().strict(false).skip_mismatched(
+                  true));
+          if (group.is_main()) {
+            std::printf(
+                "loaded %zu tensors from %s (%zu skipped for shape, %zu "
+                "missing)\n",
+                report.loaded.size(), weights.c_str(),
+                report.skipped_shape.size(), report.missing.size());
+          }
+        }
+        if (freeze_layers) {
+          for (auto& p : model->named_parameters()) {
+            if (p.key().rfind("fc.", 0) != 0)
+              p.value().set_requires_grad(false);
+          }
+        }
+        auto opts = ddpkit::TrainerOptions()
+                        .epochs(args.epochs)
+                        .lr(args.lr)
+                        .schedule(ddpkit::train::ScheduleOptions()
+                                      .kind(ddpkit::train::Schedule::cosine)
+                                      .lrf(kLrf))
+                        .out_dir(args.out)
+                        .resume(args.resume)
+                        .max_steps(args.max_steps)
+                        .seed(args.seed)
+                        .verbose(!args.quiet)
+                        .weights_pattern("weights/model-{epoch}.pt")
+                        .run_name("flowers-resnet34");
+        Trainer trainer(
+            model,
+            [](std::vector<torch::Tensor> params) {
+              std::vector<torch::Tensor> trainable;
+              for (auto& p : params) {
+                if (p.requires_grad()) trainable.push_back(p);
+              }
+              return std::make_unique<torch::optim::SGD>(
+                  trainable, torch::optim::SGDOptions(kLr)
+                                 .momentum(kMomentum)
+                                 .weight_decay(kWeightDecay));
+            },
+            opts, group, ddpkit::parallel_options<Mode>(args.devices));
+        auto loader =
+            ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
+        ddpkit::data::ImageNetTrain train_tf;
+        train_tf.options.size(image_size);
+        ddpkit::data::ImageNetEval eval_tf;
+        eval_tf.size = image_size;
+        auto result =
+            trainer.fit(folder.train, folder.val, train_tf, eval_tf, loader);
+        if (group.is_main() && !args.quiet) {
+          std::printf(
+              "done: %d epochs, best val_acc %.4f (epoch %d), %.1f s; outputs "
+              "in %s\n",
+              result.epochs_run, result.best_val_acc, result.best_epoch,
+              result.total_seconds, args.out.c_str());
+        }
+        return 0;
+      });
 }

@@ -16,44 +16,57 @@ namespace ddpkit::cli {
 
 /// Flags every example understands (see each example's README).
 struct CommonArgs {
-  std::string data;           ///< --data DIR (empty: built-in synthetic data)
-  std::string out;            ///< --out DIR (default runs/<example>-<mode>)
+  std::string data;  ///< --data DIR (empty: built-in synthetic data)
+  std::string out;   ///< --out DIR (default runs/<example>-<mode>)
   int epochs = 30;
-  int batch_size = 64;        ///< per rank
+  int batch_size = 64;  ///< per rank
   double lr = 1e-3;
-  int world_size = 0;         ///< self-spawn this many ranks (ddp builds)
-  int devices = 2;            ///< DataParallel replicas
+  int world_size = 0;  ///< self-spawn this many ranks (ddp builds)
+  int devices = 2;     ///< DataParallel replicas
   std::uint64_t seed = 42;
-  std::string resume;         ///< PATH or auto
-  std::int64_t max_steps = 0; ///< cap on steps per epoch
-  int threads = 1;            ///< intra-op threads per rank
-  int workers = 2;            ///< loader threads
+  std::string resume;          ///< PATH or auto
+  std::int64_t max_steps = 0;  ///< cap on steps per epoch
+  int threads = 1;             ///< intra-op threads per rank
+  int workers = 2;             ///< loader threads
   bool quiet = false;
 };
 
 /// Adds the common flags to `app`, with `args`' current values as defaults.
 inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.set_config("--config", "", "read these options from a TOML/INI file");
-  app.add_option("--data", args.data, "dataset folder (default: built-in synthetic data)");
-  app.add_option("--out", args.out, "output folder (default runs/<example>-<mode>)");
-  app.add_option("--epochs", args.epochs, "epochs")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--data", args.data,
+                 "dataset folder (default: built-in synthetic data)");
+  app.add_option("--out", args.out,
+                 "output folder (default runs/<example>-<mode>)");
+  app.add_option("--epochs", args.epochs, "epochs")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--batch-size", args.batch_size, "batch size per rank")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", args.lr, "base learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr", args.lr, "base learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--world-size", args.world_size,
                  "start this many ranks on this machine (ddp builds; otherwise "
                  "the launcher's environment decides)")
       ->check(CLI::PositiveNumber);
   app.add_option("--devices", args.devices, "DataParallel replicas (dp builds)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--seed", args.seed, "seed")->capture_default_str();
-  app.add_option("--resume", args.resume, "checkpoint PATH, or auto (OUT/checkpoints/last.pt)");
-  app.add_option("--max-steps", args.max_steps, "cap on steps per epoch (0: none)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--resume", args.resume,
+                 "checkpoint PATH, or auto (OUT/checkpoints/last.pt)");
+  app.add_option("--max-steps", args.max_steps,
+                 "cap on steps per epoch (0: none)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--threads", args.threads, "intra-op threads per rank")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--workers", args.workers, "data loader threads")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_flag("--quiet", args.quiet, "no per-epoch output");
 }
 
@@ -67,7 +80,8 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "error: %s\nRun with --help for the options.\n", e.what());
+    std::fprintf(stderr, "error: %s\nRun with --help for the options.\n",
+                 e.what());
     return 2;
   }
   return std::nullopt;

@@ -31,12 +31,14 @@ concept yields_index_batches = requires(S s, std::size_t n) {
   typename S::BatchRequestType;
   // libtorch's optional (c10::optional in 1.x, std::optional in 2.x).
   { *s.next(n) } -> std::convertible_to<std::vector<std::size_t>>;
-  { static_cast<bool>(s.next(n)) };
+  {static_cast<bool>(s.next(n))};
   s.reset();
 };
 
 template <class S>
-concept follows_epochs = requires(S s, std::size_t e) { s.set_epoch(e); };
+concept follows_epochs = requires(S s, std::size_t e) {
+  s.set_epoch(e);
+};
 
 template <class S>
 concept says_if_distributed = requires {
@@ -46,7 +48,7 @@ concept says_if_distributed = requires {
 /// A sampler usable by the Trainer (and by `torch::data::make_data_loader`).
 template <class S>
 concept sampler_policy = declares_sampler_tag<S> && yields_index_batches<S> &&
-                         follows_epochs<S> && says_if_distributed<S>;
+    follows_epochs<S> && says_if_distributed<S>;
 
 /// A sampler that gives each rank its own shard.
 template <class S>
@@ -55,7 +57,8 @@ concept sharding_sampler = sampler_policy<S> && S::is_distributed;
 template <class S>
 inline constexpr bool is_sampler_policy_v = sampler_policy<S>;
 
-// ---- parallel policies -------------------------------------------------------
+// ---- parallel policies
+// -------------------------------------------------------
 
 template <class P>
 concept declares_parallel_tag =
@@ -74,7 +77,7 @@ concept says_if_multi_replica = requires {
 /// SingleDevice, DataParallel, DDP, or your own.
 template <class P>
 concept parallel_policy = declares_parallel_tag<P> &&
-                          says_if_multi_process<P> && says_if_multi_replica<P>;
+    says_if_multi_process<P> && says_if_multi_replica<P>;
 
 /// A policy that runs one process per device and so needs a sharding sampler
 /// and may synchronise batch-norm statistics across processes.
@@ -84,7 +87,8 @@ concept multi_process_policy = parallel_policy<P> && P::is_multi_process;
 template <class P>
 inline constexpr bool is_parallel_policy_v = parallel_policy<P>;
 
-// ---- batch-norm policies -----------------------------------------------------
+// ---- batch-norm policies
+// -----------------------------------------------------
 
 template <class B>
 concept declares_bn_tag = std::same_as<typename B::bn_concept, bn_tag>;
@@ -101,7 +105,8 @@ concept bn_policy = declares_bn_tag<B> && says_if_synchronized<B>;
 template <class B>
 inline constexpr bool is_bn_policy_v = bn_policy<B>;
 
-// ---- LR scaling ----------------------------------------------------------------
+// ---- LR scaling
+// ----------------------------------------------------------------
 
 template <class L>
 concept declares_lr_scaling_tag =
@@ -119,7 +124,8 @@ concept lr_scaling_policy = declares_lr_scaling_tag<L> && scales_lr<L>;
 template <class L>
 inline constexpr bool is_lr_scaling_policy_v = lr_scaling_policy<L>;
 
-// ---- metric reduction ------------------------------------------------------------
+// ---- metric reduction
+// ------------------------------------------------------------
 
 template <class R>
 concept declares_reduction_tag =
@@ -138,7 +144,8 @@ concept reduction_policy = declares_reduction_tag<R> && says_who_evaluates<R>;
 template <class R>
 inline constexpr bool is_reduction_policy_v = reduction_policy<R>;
 
-// ---- models and combinations ---------------------------------------------------
+// ---- models and combinations
+// ---------------------------------------------------
 
 template <class M>
 concept is_module_pointer = requires(M m) {
@@ -159,16 +166,16 @@ concept trainable_model = is_module_pointer<M> && has_tensor_forward<M>;
 /// One process per device needs a sampler that shards; one process must not
 /// use one (it would see only part of the data).
 template <class Parallel, class Sampler>
-concept sampler_matches_parallel_policy =
-    parallel_policy<Parallel> && sampler_policy<Sampler> &&
+concept sampler_matches_parallel_policy = parallel_policy<Parallel> &&
+    sampler_policy<Sampler> &&
     // Fix: DDP takes DistributedSampling; SingleDevice/DataParallel take
     // RandomSampling or SequentialSampling.
     (Parallel::is_multi_process == Sampler::is_distributed);
 
 /// Synchronised batch norm needs several processes to synchronise.
 template <class Parallel, class BN>
-concept bn_matches_parallel_policy =
-    parallel_policy<Parallel> && bn_policy<BN> &&
+concept bn_matches_parallel_policy = parallel_policy<Parallel> &&
+    bn_policy<BN> &&
     // Fix: SyncBN needs a multi-process policy (DDP); use PlainBN otherwise.
     (!BN::is_synchronized || Parallel::is_multi_process);
 

@@ -3,11 +3,11 @@
 // prefetching loader.
 #pragma once
 
-#include "ddpkit/data/samplers.hpp"
 #include "ddpkit/data/cifar10.hpp"
+#include "ddpkit/data/image_folder.hpp"
+#include "ddpkit/data/image_io.hpp"
+#include "ddpkit/data/jpeg_folder_generator.hpp"
+#include "ddpkit/data/loader.hpp"
+#include "ddpkit/data/samplers.hpp"
 #include "ddpkit/data/synthetic.hpp"
 #include "ddpkit/data/transforms.hpp"
-#include "ddpkit/data/loader.hpp"
-#include "ddpkit/data/image_io.hpp"
-#include "ddpkit/data/image_folder.hpp"
-#include "ddpkit/data/jpeg_folder_generator.hpp"

@@ -15,16 +15,16 @@
 namespace ddpkit {
 
 // The names users compose with, at the top level.
-using parallel::DataParallel;
-using parallel::DDP;
-using parallel::DDPBf16;
-using parallel::DDPFp16;
-using parallel::SingleDevice;
 using data::DistributedSampling;
 using data::RandomSampling;
 using data::SequentialSampling;
 using nn::PlainBN;
 using nn::SyncBN;
+using parallel::DataParallel;
+using parallel::DDP;
+using parallel::DDPBf16;
+using parallel::DDPFp16;
+using parallel::SingleDevice;
 using train::LinearScaling;
 using train::NoScaling;
 using train::RankZeroEval;
@@ -54,7 +54,8 @@ typename Mode::options_type parallel_options(int devices) {
 /// The common combinations, named.
 template <class Model, class BN = PlainBN, class Scaling = NoScaling,
           class Reduction = RankZeroEval>
-using DDPTrainer = Trainer<Model, DDP, DistributedSampling, BN, Scaling, Reduction>;
+using DDPTrainer =
+    Trainer<Model, DDP, DistributedSampling, BN, Scaling, Reduction>;
 template <class Model, class Reduction = RankZeroEval>
 using SingleDeviceTrainer =
     Trainer<Model, SingleDevice, RandomSampling, PlainBN, NoScaling, Reduction>;

@@ -36,382 +36,404 @@ std::string error_of(std::map<std::string, std::string> vars) {
 }  // namespace
 
 TEST_SUITE("dist") {
+  TEST_CASE("read_env: launchers") {
+    SUBCASE("nothing set is a single process") {
+      auto e = dist::read_env(table({}));
+      CHECK(e.world_size == 1);
+      CHECK(e.rank == 0);
+      CHECK(e.source == dist::LaunchSource::single);
+    }
+    SUBCASE("torchrun") {
+      auto e = dist::read_env(table({{"RANK", "3"},
+                                     {"LOCAL_RANK", "1"},
+                                     {"WORLD_SIZE", "4"},
+                                     {"LOCAL_WORLD_SIZE", "2"},
+                                     {"MASTER_ADDR", "10.0.0.1"},
+                                     {"MASTER_PORT", "1234"}}));
+      CHECK(e.source == dist::LaunchSource::torchrun);
+      CHECK(e.rank == 3);
+      CHECK(e.local_rank == 1);
+      CHECK(e.world_size == 4);
+      CHECK(e.local_world_size == 2);
+      CHECK(e.master_addr == "10.0.0.1");
+      CHECK(e.master_port == 1234);
+    }
+    SUBCASE("torchrun without LOCAL_* defaults to one node") {
+      auto e = dist::read_env(table(
+          {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "localhost"}}));
+      CHECK(e.local_rank == 1);
+      CHECK(e.local_world_size == 2);
+      CHECK(e.master_port == 29500);
+    }
+    SUBCASE("slurm") {
+      auto e = dist::read_env(table({{"SLURM_PROCID", "5"},
+                                     {"SLURM_LOCALID", "1"},
+                                     {"SLURM_NTASKS", "8"},
+                                     {"SLURM_NTASKS_PER_NODE", "4(x2)"},
+                                     {"MASTER_ADDR", "node01"}}));
+      CHECK(e.source == dist::LaunchSource::slurm);
+      CHECK(e.rank == 5);
+      CHECK(e.local_rank == 1);
+      CHECK(e.world_size == 8);
+      CHECK(e.local_world_size == 4);
+      CHECK(e.master_addr == "node01");
+    }
+    SUBCASE("slurm falls back to the launch node's address") {
+      auto e =
+          dist::read_env(table({{"SLURM_PROCID", "0"},
+                                {"SLURM_NTASKS", "2"},
+                                {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}}));
+      CHECK(e.master_addr == "10.1.2.3");
+    }
+    SUBCASE("open mpi") {
+      auto e = dist::read_env(table({{"OMPI_COMM_WORLD_RANK", "2"},
+                                     {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                                     {"OMPI_COMM_WORLD_SIZE", "3"},
+                                     {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
+                                     {"MASTER_ADDR", "h"}}));
+      CHECK(e.source == dist::LaunchSource::openmpi);
+      CHECK(e.rank == 2);
+      CHECK(e.world_size == 3);
+      CHECK(e.local_world_size == 1);
+    }
+    SUBCASE("torchrun wins over slurm variables") {
+      auto e = dist::read_env(table({{"RANK", "0"},
+                                     {"WORLD_SIZE", "1"},
+                                     {"SLURM_PROCID", "4"},
+                                     {"SLURM_NTASKS", "8"}}));
+      CHECK(e.source == dist::LaunchSource::torchrun);
+      CHECK(e.world_size == 1);
+    }
+    SUBCASE("explicit") {
+      auto e = dist::explicit_env(1, 2, "127.0.0.1", 4000);
+      CHECK(e.source == dist::LaunchSource::explicit_args);
+      CHECK(e.local_rank == 1);
+      CHECK_THROWS_WITH_AS(
+          dist::explicit_env(2, 2, "h", 1),
+          doctest::Contains("rank=2 must be less than world size=2"),
+          UsageError);
+    }
+  }
 
-TEST_CASE("read_env: launchers") {
-  SUBCASE("nothing set is a single process") {
-    auto e = dist::read_env(table({}));
-    CHECK(e.world_size == 1);
-    CHECK(e.rank == 0);
-    CHECK(e.source == dist::LaunchSource::single);
+  TEST_CASE("read_env: malformed values name the variable") {
+    struct Case {
+      std::map<std::string, std::string> vars;
+      const char* message;
+    };
+    std::vector<Case> cases{
+        {{{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
+         "RANK=2 must be less than WORLD_SIZE=2"},
+        {{{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
+         "environment variable RANK='x' is not an integer"},
+        {{{"RANK", "0"}, {"WORLD_SIZE", "2abc"}, {"MASTER_ADDR", "h"}},
+         "WORLD_SIZE='2abc' is not an integer"},
+        {{{"RANK", "0"}, {"WORLD_SIZE", "0"}},
+         "WORLD_SIZE=0 is out of range (expected >= 1)"},
+        {{{"RANK", "-1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
+         "RANK=-1 is out of range"},
+        {{{"RANK", "0"}, {"WORLD_SIZE", "2"}},
+         "MASTER_ADDR is missing (required when WORLD_SIZE=2 > 1)"},
+        {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", ""}},
+         "MASTER_ADDR is empty"},
+        {{{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
+         "environment variable RANK is missing"},
+        {{{"RANK", "0"},
+          {"WORLD_SIZE", "2"},
+          {"MASTER_ADDR", "h"},
+          {"MASTER_PORT", "70000"}},
+         "MASTER_PORT=70000 is not a TCP port"},
+        {{{"RANK", "0"},
+          {"WORLD_SIZE", "2"},
+          {"MASTER_ADDR", "h"},
+          {"MASTER_PORT", "http"}},
+         "MASTER_PORT='http' is not an integer"},
+        {{{"RANK", "1"},
+          {"LOCAL_RANK", "2"},
+          {"WORLD_SIZE", "4"},
+          {"LOCAL_WORLD_SIZE", "2"},
+          {"MASTER_ADDR", "h"}},
+         "LOCAL_RANK=2 must be less than LOCAL_WORLD_SIZE=2"},
+        {{{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "2"}, {"MASTER_ADDR", "h"}},
+         "SLURM_PROCID=3 must be less than SLURM_NTASKS=2"},
+        {{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}},
+         "MASTER_ADDR is missing (required when SLURM_NTASKS=2 > 1)"},
+        {{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "two"}},
+         "OMPI_COMM_WORLD_SIZE='two' is not an integer"},
+    };
+    for (auto& c : cases) {
+      CAPTURE(c.message);
+      CHECK(error_of(c.vars).find(c.message) != std::string::npos);
+    }
   }
-  SUBCASE("torchrun") {
-    auto e = dist::read_env(table({{"RANK", "3"},
-                                   {"LOCAL_RANK", "1"},
-                                   {"WORLD_SIZE", "4"},
-                                   {"LOCAL_WORLD_SIZE", "2"},
-                                   {"MASTER_ADDR", "10.0.0.1"},
-                                   {"MASTER_PORT", "1234"}}));
-    CHECK(e.source == dist::LaunchSource::torchrun);
-    CHECK(e.rank == 3);
-    CHECK(e.local_rank == 1);
-    CHECK(e.world_size == 4);
-    CHECK(e.local_world_size == 2);
-    CHECK(e.master_addr == "10.0.0.1");
-    CHECK(e.master_port == 1234);
-  }
-  SUBCASE("torchrun without LOCAL_* defaults to one node") {
-    auto e = dist::read_env(table(
-        {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "localhost"}}));
-    CHECK(e.local_rank == 1);
-    CHECK(e.local_world_size == 2);
-    CHECK(e.master_port == 29500);
-  }
-  SUBCASE("slurm") {
-    auto e = dist::read_env(table({{"SLURM_PROCID", "5"},
-                                   {"SLURM_LOCALID", "1"},
-                                   {"SLURM_NTASKS", "8"},
-                                   {"SLURM_NTASKS_PER_NODE", "4(x2)"},
-                                   {"MASTER_ADDR", "node01"}}));
-    CHECK(e.source == dist::LaunchSource::slurm);
-    CHECK(e.rank == 5);
-    CHECK(e.local_rank == 1);
-    CHECK(e.world_size == 8);
-    CHECK(e.local_world_size == 4);
-    CHECK(e.master_addr == "node01");
-  }
-  SUBCASE("slurm falls back to the launch node's address") {
-    auto e = dist::read_env(table({{"SLURM_PROCID", "0"},
-                                   {"SLURM_NTASKS", "2"},
-                                   {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}}));
-    CHECK(e.master_addr == "10.1.2.3");
-  }
-  SUBCASE("open mpi") {
-    auto e = dist::read_env(table({{"OMPI_COMM_WORLD_RANK", "2"},
-                                   {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
-                                   {"OMPI_COMM_WORLD_SIZE", "3"},
-                                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
-                                   {"MASTER_ADDR", "h"}}));
-    CHECK(e.source == dist::LaunchSource::openmpi);
-    CHECK(e.rank == 2);
-    CHECK(e.world_size == 3);
-    CHECK(e.local_world_size == 1);
-  }
-  SUBCASE("torchrun wins over slurm variables") {
-    auto e = dist::read_env(table({{"RANK", "0"},
-                                   {"WORLD_SIZE", "1"},
-                                   {"SLURM_PROCID", "4"},
-                                   {"SLURM_NTASKS", "8"}}));
-    CHECK(e.source == dist::LaunchSource::torchrun);
-    CHECK(e.world_size == 1);
-  }
-  SUBCASE("explicit") {
-    auto e = dist::explicit_env(1, 2, "127.0.0.1", 4000);
-    CHECK(e.source == dist::LaunchSource::explicit_args);
-    CHECK(e.local_rank == 1);
-    CHECK_THROWS_WITH_AS(dist::explicit_env(2, 2, "h", 1),
-                         doctest::Contains("rank=2 must be less than world size=2"),
+
+  TEST_CASE("world_size_from_args") {
+    std::vector<std::string> a{"prog", "--epochs", "2", "--world-size", "4"};
+    std::vector<char*> argv;
+    for (auto& s : a) argv.push_back(s.data());
+    CHECK(dist::world_size_from_args(static_cast<int>(argv.size()),
+                                     argv.data()) == 4);
+    std::vector<std::string> b{"prog", "--world-size=0"};
+    std::vector<char*> bv;
+    for (auto& s : b) bv.push_back(s.data());
+    CHECK_THROWS_WITH_AS(dist::world_size_from_args(2, bv.data()),
+                         doctest::Contains("--world-size: '0' is invalid"),
                          UsageError);
   }
-}
 
-TEST_CASE("read_env: malformed values name the variable") {
-  struct Case {
-    std::map<std::string, std::string> vars;
-    const char* message;
-  };
-  std::vector<Case> cases{
-      {{{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
-       "RANK=2 must be less than WORLD_SIZE=2"},
-      {{{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
-       "environment variable RANK='x' is not an integer"},
-      {{{"RANK", "0"}, {"WORLD_SIZE", "2abc"}, {"MASTER_ADDR", "h"}},
-       "WORLD_SIZE='2abc' is not an integer"},
-      {{{"RANK", "0"}, {"WORLD_SIZE", "0"}},
-       "WORLD_SIZE=0 is out of range (expected >= 1)"},
-      {{{"RANK", "-1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
-       "RANK=-1 is out of range"},
-      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}},
-       "MASTER_ADDR is missing (required when WORLD_SIZE=2 > 1)"},
-      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", ""}},
-       "MASTER_ADDR is empty"},
-      {{{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
-       "environment variable RANK is missing"},
-      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
-        {"MASTER_PORT", "70000"}},
-       "MASTER_PORT=70000 is not a TCP port"},
-      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
-        {"MASTER_PORT", "http"}},
-       "MASTER_PORT='http' is not an integer"},
-      {{{"RANK", "1"}, {"LOCAL_RANK", "2"}, {"WORLD_SIZE", "4"},
-        {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
-       "LOCAL_RANK=2 must be less than LOCAL_WORLD_SIZE=2"},
-      {{{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "2"}, {"MASTER_ADDR", "h"}},
-       "SLURM_PROCID=3 must be less than SLURM_NTASKS=2"},
-      {{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}},
-       "MASTER_ADDR is missing (required when SLURM_NTASKS=2 > 1)"},
-      {{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "two"}},
-       "OMPI_COMM_WORLD_SIZE='two' is not an integer"},
-  };
-  for (auto& c : cases) {
-    CAPTURE(c.message);
-    CHECK(error_of(c.vars).find(c.message) != std::string::npos);
+  // ---- collectives over real processes
+  // ------------------------------------------
+
+  DDPKIT_WORKER(collectives) {
+    auto g = ddpkit::test::worker_group();
+    const int r = g.rank();
+    const int w = g.size();
+    auto fail = [&](const std::string& what) {
+      std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
+      return 1;
+    };
+    // sum and mean
+    auto t = torch::full({5}, static_cast<float>(r + 1));
+    dist::all_reduce(g, t);
+    float expect_sum = w * (w + 1) / 2.0f;
+    if (!torch::allclose(t, torch::full({5}, expect_sum))) return fail("sum");
+    auto m = torch::full({2, 2}, static_cast<double>(r), torch::kFloat64);
+    dist::all_reduce(g, m, dist::Reduce::mean);
+    if (!torch::allclose(m,
+                         torch::full({2, 2}, (w - 1) / 2.0, torch::kFloat64)))
+      return fail("mean");
+    auto mx = torch::tensor({static_cast<float>(r)});
+    dist::all_reduce(g, mx, dist::Reduce::max);
+    if (mx.item<float>() != w - 1) return fail("max");
+    if (dist::all_reduce_value(g, r + 1) != w * (w + 1) / 2)
+      return fail("value");
+    if (dist::all_reduce_value(g, 1.0 * r, dist::Reduce::mean) != (w - 1) / 2.0)
+      return fail("value mean");
+    // broadcast from 0 and from the last rank
+    auto b = torch::full({3}, static_cast<float>(r * 10));
+    dist::broadcast(g, b, 0);
+    if (!torch::equal(b, torch::zeros({3}))) return fail("broadcast 0");
+    auto b2 = torch::full({3}, static_cast<float>(r * 10));
+    dist::broadcast(g, b2, w - 1);
+    if (!torch::equal(b2, torch::full({3}, (w - 1) * 10.0f)))
+      return fail("broadcast last");
+    struct Small {
+      int epoch;
+      double best;
+      bool stop;
+    };
+    Small s{r == 1 ? 7 : -1, r == 1 ? 0.5 : -1.0, r == 1};
+    Small got = dist::broadcast_value(g, s, 1);
+    if (got.epoch != 7 || got.best != 0.5 || !got.stop) return fail("struct");
+    std::string str = r == 0 ? std::string(1000, 'x') + "end" : "";
+    if (dist::broadcast_string(g, str, 0) != std::string(1000, 'x') + "end")
+      return fail("string");
+    // all-gather in rank order
+    auto parts = dist::all_gather(g, torch::full({2}, static_cast<float>(r)));
+    if (static_cast<int>(parts.size()) != w) return fail("gather size");
+    for (int k = 0; k < w; ++k) {
+      if (!torch::equal(parts[k], torch::full({2}, static_cast<float>(k))))
+        return fail("gather order");
+    }
+    auto vals = dist::all_gather_value(g, r * r);
+    for (int k = 0; k < w; ++k) {
+      if (vals[k] != k * k) return fail("gather value");
+    }
+    // barrier: rank 0 arrives late; nobody may leave before it arrives.
+    auto flag = ddpkit::test::worker_dir() / "barrier_flag";
+    if (r == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      std::ofstream(flag) << "here";
+    }
+    dist::barrier(g);
+    if (!std::filesystem::exists(flag)) return fail("barrier passed early");
+    dist::barrier(g);
+    return 0;
   }
-}
 
-TEST_CASE("world_size_from_args") {
-  std::vector<std::string> a{"prog", "--epochs", "2", "--world-size", "4"};
-  std::vector<char*> argv;
-  for (auto& s : a) argv.push_back(s.data());
-  CHECK(dist::world_size_from_args(static_cast<int>(argv.size()), argv.data()) == 4);
-  std::vector<std::string> b{"prog", "--world-size=0"};
-  std::vector<char*> bv;
-  for (auto& s : b) bv.push_back(s.data());
-  CHECK_THROWS_WITH_AS(dist::world_size_from_args(2, bv.data()),
-                       doctest::Contains("--world-size: '0' is invalid"),
-                       UsageError);
-}
-
-// ---- collectives over real processes ------------------------------------------
-
-DDPKIT_WORKER(collectives) {
-  auto g = ddpkit::test::worker_group();
-  const int r = g.rank();
-  const int w = g.size();
-  auto fail = [&](const std::string& what) {
-    std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
-    return 1;
-  };
-  // sum and mean
-  auto t = torch::full({5}, static_cast<float>(r + 1));
-  dist::all_reduce(g, t);
-  float expect_sum = w * (w + 1) / 2.0f;
-  if (!torch::allclose(t, torch::full({5}, expect_sum))) return fail("sum");
-  auto m = torch::full({2, 2}, static_cast<double>(r), torch::kFloat64);
-  dist::all_reduce(g, m, dist::Reduce::mean);
-  if (!torch::allclose(m, torch::full({2, 2}, (w - 1) / 2.0, torch::kFloat64)))
-    return fail("mean");
-  auto mx = torch::tensor({static_cast<float>(r)});
-  dist::all_reduce(g, mx, dist::Reduce::max);
-  if (mx.item<float>() != w - 1) return fail("max");
-  if (dist::all_reduce_value(g, r + 1) != w * (w + 1) / 2) return fail("value");
-  if (dist::all_reduce_value(g, 1.0 * r, dist::Reduce::mean) != (w - 1) / 2.0)
-    return fail("value mean");
-  // broadcast from 0 and from the last rank
-  auto b = torch::full({3}, static_cast<float>(r * 10));
-  dist::broadcast(g, b, 0);
-  if (!torch::equal(b, torch::zeros({3}))) return fail("broadcast 0");
-  auto b2 = torch::full({3}, static_cast<float>(r * 10));
-  dist::broadcast(g, b2, w - 1);
-  if (!torch::equal(b2, torch::full({3}, (w - 1) * 10.0f)))
-    return fail("broadcast last");
-  struct Small {
-    int epoch;
-    double best;
-    bool stop;
-  };
-  Small s{r == 1 ? 7 : -1, r == 1 ? 0.5 : -1.0, r == 1};
-  Small got = dist::broadcast_value(g, s, 1);
-  if (got.epoch != 7 || got.best != 0.5 || !got.stop) return fail("struct");
-  std::string str = r == 0 ? std::string(1000, 'x') + "end" : "";
-  if (dist::broadcast_string(g, str, 0) != std::string(1000, 'x') + "end")
-    return fail("string");
-  // all-gather in rank order
-  auto parts = dist::all_gather(g, torch::full({2}, static_cast<float>(r)));
-  if (static_cast<int>(parts.size()) != w) return fail("gather size");
-  for (int k = 0; k < w; ++k) {
-    if (!torch::equal(parts[k], torch::full({2}, static_cast<float>(k))))
-      return fail("gather order");
+  TEST_CASE("collectives over gloo with real processes") {
+    // Self-spawn meets through a private file; the TCPStore path is the one
+    // torchrun/SLURM/MPI jobs take.
+    for (std::string method : {"file", "tcp"}) {
+      for (int world : {2, 4}) {
+        CAPTURE(method);
+        CAPTURE(world);
+        TempDir dir;
+        dist::EnvVars env;
+        if (method == "tcp") env.emplace_back("DDPKIT_INIT_METHOD", "env://");
+        auto res = run_workers("collectives", world, dir.str(), env);
+        CHECK(res.ok());
+        CHECK(res.message == "");
+      }
+    }
   }
-  auto vals = dist::all_gather_value(g, r * r);
-  for (int k = 0; k < w; ++k) {
-    if (vals[k] != k * k) return fail("gather value");
-  }
-  // barrier: rank 0 arrives late; nobody may leave before it arrives.
-  auto flag = ddpkit::test::worker_dir() / "barrier_flag";
-  if (r == 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    std::ofstream(flag) << "here";
-  }
-  dist::barrier(g);
-  if (!std::filesystem::exists(flag)) return fail("barrier passed early");
-  dist::barrier(g);
-  return 0;
-}
 
-TEST_CASE("collectives over gloo with real processes") {
-  // Self-spawn meets through a private file; the TCPStore path is the one
-  // torchrun/SLURM/MPI jobs take.
-  for (std::string method : {"file", "tcp"}) {
-    for (int world : {2, 4}) {
+  TEST_CASE("a world of one needs no rendezvous") {
+    dist::Group g;
+    auto t = torch::ones({2});
+    dist::all_reduce(g, t, dist::Reduce::mean);
+    CHECK(torch::equal(t, torch::ones({2})));
+    CHECK(dist::broadcast_value(g, 5) == 5);
+    CHECK(dist::all_gather(g, t).size() == 1);
+    dist::barrier(g);
+  }
+
+  // ---- spawn
+  // --------------------------------------------------------------------
+
+  DDPKIT_WORKER(exit_three_on_rank_one) {
+    auto g = ddpkit::test::worker_group();
+    if (g.rank() == 1) return 3;
+    // The survivors block in a collective that can never complete.
+    auto t = torch::ones({1});
+    dist::all_reduce(g, t);
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+
+  DDPKIT_WORKER(sigkill_rank_two) {
+    auto g = ddpkit::test::worker_group();
+    // Write our pid so the test can check no process survives.
+    std::ofstream(ddpkit::test::worker_dir() /
+                  ("pid" + std::to_string(g.rank())))
+        << ::getpid();
+    dist::barrier(g);
+    if (g.rank() == 2) ::kill(::getpid(), SIGKILL);
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+
+  DDPKIT_WORKER(rendezvous_missing_rank) {
+    // Rank 1 never joins; rank 0 must give up with a clear error.
+    if (dist::read_env().rank == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(20));
+      return 0;
+    }
+    try {
+      dist::Group::init(
+          dist::read_env(),
+          dist::GroupOptions().rendezvous_timeout(std::chrono::seconds(2)));
+    } catch (const DistError& e) {
+      std::ofstream(ddpkit::test::worker_dir() / "error.txt") << e.what();
+      return 4;
+    }
+    return 0;
+  }
+
+  namespace {
+  bool process_alive(int pid) {
+    return ::kill(pid, 0) == 0;
+  }
+  }  // namespace
+
+  TEST_CASE("spawn: a failing rank stops the job and is named") {
+    SUBCASE("exit status 3") {
+      TempDir dir;
+      auto t0 = std::chrono::steady_clock::now();
+      auto res = run_workers("exit_three_on_rank_one", 2, dir.str());
+      double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
+      MESSAGE("launcher returned after ", secs, " s");
+      CHECK(res.exit_code == 3);
+      REQUIRE(res.first_failure.has_value());
+      CHECK(res.first_failure->rank == 1);
+      CHECK(res.message.find("rank 1") != std::string::npos);
+      CHECK(res.message.find("exited with status 3") != std::string::npos);
+      CHECK(secs < 10);
+    }
+    SUBCASE("SIGKILL") {
+      TempDir dir;
+      auto t0 = std::chrono::steady_clock::now();
+      auto res = run_workers("sigkill_rank_two", 4, dir.str());
+      double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
+      MESSAGE("launcher returned after ", secs, " s");
+      CHECK(res.exit_code == 128 + SIGKILL);
+      REQUIRE(res.first_failure.has_value());
+      CHECK(res.first_failure->rank == 2);
+      CHECK(res.message.find("rank 2") != std::string::npos);
+      CHECK(res.message.find("killed by signal 9") != std::string::npos);
+      CHECK(secs < 10);
+      for (int r = 0; r < 4; ++r) {
+        std::ifstream in(dir / ("pid" + std::to_string(r)));
+        int pid = 0;
+        in >> pid;
+        REQUIRE(pid > 0);
+        CHECK_FALSE(process_alive(pid));
+      }
+    }
+  }
+
+  TEST_CASE("rendezvous with a missing rank times out with a clear error") {
+    for (std::string method : {"tcp", "file"}) {
       CAPTURE(method);
-      CAPTURE(world);
       TempDir dir;
       dist::EnvVars env;
       if (method == "tcp") env.emplace_back("DDPKIT_INIT_METHOD", "env://");
-      auto res = run_workers("collectives", world, dir.str(), env);
-      CHECK(res.ok());
-      CHECK(res.message == "");
+      auto t0 = std::chrono::steady_clock::now();
+      auto res = run_workers("rendezvous_missing_rank", 2, dir.str(), env);
+      double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
+      CHECK(res.exit_code == 4);
+      std::ifstream in(dir / "error.txt");
+      std::string msg((std::istreambuf_iterator<char>(in)), {});
+      MESSAGE(msg);
+      CHECK(msg.find(method == "tcp"
+                         ? "rendezvous at 127.0.0.1:"
+                         : "rendezvous at file://") != std::string::npos);
+      CHECK(msg.find("waiting for 2 ranks (1 joined") != std::string::npos);
+      CHECK(secs < 15);
     }
   }
-}
-
-TEST_CASE("a world of one needs no rendezvous") {
-  dist::Group g;
-  auto t = torch::ones({2});
-  dist::all_reduce(g, t, dist::Reduce::mean);
-  CHECK(torch::equal(t, torch::ones({2})));
-  CHECK(dist::broadcast_value(g, 5) == 5);
-  CHECK(dist::all_gather(g, t).size() == 1);
-  dist::barrier(g);
-}
-
-// ---- spawn --------------------------------------------------------------------
-
-DDPKIT_WORKER(exit_three_on_rank_one) {
-  auto g = ddpkit::test::worker_group();
-  if (g.rank() == 1) return 3;
-  // The survivors block in a collective that can never complete.
-  auto t = torch::ones({1});
-  dist::all_reduce(g, t);
-  std::this_thread::sleep_for(std::chrono::seconds(60));
-  return 0;
-}
-
-DDPKIT_WORKER(sigkill_rank_two) {
-  auto g = ddpkit::test::worker_group();
-  // Write our pid so the test can check no process survives.
-  std::ofstream(ddpkit::test::worker_dir() / ("pid" + std::to_string(g.rank())))
-      << ::getpid();
-  dist::barrier(g);
-  if (g.rank() == 2) ::kill(::getpid(), SIGKILL);
-  std::this_thread::sleep_for(std::chrono::seconds(60));
-  return 0;
-}
-
-DDPKIT_WORKER(rendezvous_missing_rank) {
-  // Rank 1 never joins; rank 0 must give up with a clear error.
-  if (dist::read_env().rank == 1) {
-    std::this_thread::sleep_for(std::chrono::seconds(20));
-    return 0;
-  }
-  try {
-    dist::Group::init(dist::read_env(),
-                      dist::GroupOptions().rendezvous_timeout(
-                          std::chrono::seconds(2)));
-  } catch (const DistError& e) {
-    std::ofstream(ddpkit::test::worker_dir() / "error.txt") << e.what();
-    return 4;
-  }
-  return 0;
-}
-
-namespace {
-bool process_alive(int pid) { return ::kill(pid, 0) == 0; }
-}  // namespace
-
-TEST_CASE("spawn: a failing rank stops the job and is named") {
-  SUBCASE("exit status 3") {
-    TempDir dir;
-    auto t0 = std::chrono::steady_clock::now();
-    auto res = run_workers("exit_three_on_rank_one", 2, dir.str());
-    double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-            .count();
-    MESSAGE("launcher returned after ", secs, " s");
-    CHECK(res.exit_code == 3);
-    REQUIRE(res.first_failure.has_value());
-    CHECK(res.first_failure->rank == 1);
-    CHECK(res.message.find("rank 1") != std::string::npos);
-    CHECK(res.message.find("exited with status 3") != std::string::npos);
-    CHECK(secs < 10);
-  }
-  SUBCASE("SIGKILL") {
-    TempDir dir;
-    auto t0 = std::chrono::steady_clock::now();
-    auto res = run_workers("sigkill_rank_two", 4, dir.str());
-    double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-            .count();
-    MESSAGE("launcher returned after ", secs, " s");
-    CHECK(res.exit_code == 128 + SIGKILL);
-    REQUIRE(res.first_failure.has_value());
-    CHECK(res.first_failure->rank == 2);
-    CHECK(res.message.find("rank 2") != std::string::npos);
-    CHECK(res.message.find("killed by signal 9") != std::string::npos);
-    CHECK(secs < 10);
-    for (int r = 0; r < 4; ++r) {
-      std::ifstream in(dir / ("pid" + std::to_string(r)));
-      int pid = 0;
-      in >> pid;
-      REQUIRE(pid > 0);
-      CHECK_FALSE(process_alive(pid));
-    }
-  }
-}
-
-TEST_CASE("rendezvous with a missing rank times out with a clear error") {
-  for (std::string method : {"tcp", "file"}) {
-    CAPTURE(method);
-    TempDir dir;
-    dist::EnvVars env;
-    if (method == "tcp") env.emplace_back("DDPKIT_INIT_METHOD", "env://");
-    auto t0 = std::chrono::steady_clock::now();
-    auto res = run_workers("rendezvous_missing_rank", 2, dir.str(), env);
-    double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-            .count();
-    CHECK(res.exit_code == 4);
-    std::ifstream in(dir / "error.txt");
-    std::string msg((std::istreambuf_iterator<char>(in)), {});
-    MESSAGE(msg);
-    CHECK(msg.find(method == "tcp" ? "rendezvous at 127.0.0.1:" : "rendezvous at file://") !=
-          std::string::npos);
-    CHECK(msg.find("waiting for 2 ranks (1 joined") != std::string::npos);
-    CHECK(secs < 15);
-  }
-}
 
 }  // TEST_SUITE("dist")
 
-// ---- bad input at rendezvous ----------------------------------------------------
+// ---- bad input at rendezvous
+// ----------------------------------------------------
 
 #include <netinet/in.h>
 #include <sys/socket.h>
 
 TEST_SUITE("dist") {
+  TEST_CASE(
+      "rendezvous: an unresolvable MASTER_ADDR is a usage error naming it") {
+    auto env = dist::explicit_env(1, 2, "no-such-host.invalid", 29500);
+    CHECK_THROWS_WITH_AS(
+        dist::Group::init(
+            env, dist::GroupOptions().init_method("env://").rendezvous_timeout(
+                     std::chrono::seconds(2))),
+        doctest::Contains(
+            "MASTER_ADDR 'no-such-host.invalid' cannot be resolved"),
+        UsageError);
+  }
 
-TEST_CASE("rendezvous: an unresolvable MASTER_ADDR is a usage error naming it") {
-  auto env = dist::explicit_env(1, 2, "no-such-host.invalid", 29500);
-  CHECK_THROWS_WITH_AS(
-      dist::Group::init(env, dist::GroupOptions().init_method("env://")
-                                 .rendezvous_timeout(std::chrono::seconds(2))),
-      doctest::Contains("MASTER_ADDR 'no-such-host.invalid' cannot be resolved"),
-      UsageError);
-}
-
-TEST_CASE("rendezvous: a MASTER_PORT already in use is a usage error naming it") {
-  // Hold a listening socket on a port, then ask rank 0 to host there.
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = 0;
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(::listen(fd, 1) == 0);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  int port = ntohs(addr.sin_port);
-  auto env = dist::explicit_env(0, 2, "127.0.0.1", port);
-  auto t0 = std::chrono::steady_clock::now();
-  const std::string expected =
-      "port " + std::to_string(port) + ": the port is already in use";
-  CHECK_THROWS_WITH_AS(
-      dist::Group::init(env, dist::GroupOptions().init_method("env://")
-                                 .rendezvous_timeout(std::chrono::seconds(3))),
-      doctest::Contains(expected.c_str()), UsageError);
-  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3));
-  ::close(fd);
-}
+  TEST_CASE(
+      "rendezvous: a MASTER_PORT already in use is a usage error naming it") {
+    // Hold a listening socket on a port, then ask rank 0 to host there.
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = 0;
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    REQUIRE(::listen(fd, 1) == 0);
+    socklen_t len = sizeof addr;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    int port = ntohs(addr.sin_port);
+    auto env = dist::explicit_env(0, 2, "127.0.0.1", port);
+    auto t0 = std::chrono::steady_clock::now();
+    const std::string expected =
+        "port " + std::to_string(port) + ": the port is already in use";
+    CHECK_THROWS_WITH_AS(
+        dist::Group::init(
+            env, dist::GroupOptions().init_method("env://").rendezvous_timeout(
+                     std::chrono::seconds(3))),
+        doctest::Contains(expected.c_str()), UsageError);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3));
+    ::close(fd);
+  }
 
 }  // TEST_SUITE("dist")

@@ -16,15 +16,16 @@ namespace {
 /// A Python with torch and torchvision, or "" (the test then skips).
 std::string find_python() {
   for (const char* py : {"python3", "/usr/bin/python3"}) {
-    std::string cmd = std::string(py) +
-                      " -c 'import torch, torchvision' >/dev/null 2>&1";
+    std::string cmd =
+        std::string(py) + " -c 'import torch, torchvision' >/dev/null 2>&1";
     if (std::system(cmd.c_str()) == 0) return py;
   }
   return "";
 }
 
-void save_tensors(const std::filesystem::path& p,
-                  const std::vector<std::pair<std::string, torch::Tensor>>& items) {
+void save_tensors(
+    const std::filesystem::path& p,
+    const std::vector<std::pair<std::string, torch::Tensor>>& items) {
   c10::Dict<std::string, torch::Tensor> d;
   for (const auto& [k, v] : items) d.insert(k, v);
   auto bytes = torch::pickle_save(c10::IValue(d));
@@ -43,126 +44,133 @@ std::string what_of(const std::function<void()>& f) {
 }  // namespace
 
 TEST_SUITE("nn") {
-
-TEST_CASE("ResNet parameter counts and names equal torchvision's") {
-  CHECK(nn::count_parameters(*nn::resnet18(1000)) == 11689512);
-  CHECK(nn::count_parameters(*nn::resnet34(5)) == 21287237);
-  CHECK(nn::count_parameters(*nn::resnet50(1000)) == 25557032);
-  auto net = nn::resnet34(5);
-  auto sd = nn::state_dict(*net);
-  for (const char* key : {"conv1.weight", "bn1.running_mean", "bn1.num_batches_tracked",
-                          "layer1.0.conv1.weight", "layer2.0.downsample.0.weight",
-                          "layer2.0.downsample.1.running_var", "layer4.2.bn2.bias",
-                          "fc.weight", "fc.bias"}) {
-    CAPTURE(key);
-    CHECK(sd.contains(key));
-  }
-  CHECK_FALSE(sd.contains("layer1.0.downsample.0.weight"));
-  CHECK(sd.size() == 218);  // torchvision resnet34: 218 state-dict entries
-  // Kaiming fan_out: std = sqrt(2 / (out * k * k)).
-  auto w = net->layer3->named_parameters()["0.conv1.weight"];
-  CHECK(std::abs(w.std().item<double>() - std::sqrt(2.0 / (256 * 9))) < 0.002);
-}
-
-TEST_CASE("model output shapes and clone") {
-  torch::NoGradGuard g;
-  auto x = torch::randn({1, 3, 64, 64});
-  auto r18 = nn::resnet18(7);
-  r18->eval();
-  CHECK(r18->forward(x).sizes() == torch::IntArrayRef({1, 7}));
-  auto r50 = nn::resnet50(3);
-  r50->eval();
-  CHECK(r50->forward(x).sizes() == torch::IntArrayRef({1, 3}));
-  auto copy = std::dynamic_pointer_cast<nn::ResNetImpl>(r18->clone());
-  REQUIRE(copy);
-  CHECK(torch::equal(copy->forward(x), r18->forward(x)));
-  nn::CifarNet net(nn::CifarNetOptions(10));
-  net->eval();
-  CHECK(net->forward(torch::randn({2, 3, 32, 32})).sizes() == torch::IntArrayRef({2, 10}));
-  CHECK(nn::count_parameters(*net) == 620586);
-}
-
-TEST_CASE("CifarNet learns the synthetic set within a few epochs") {
-  torch::manual_seed(0);
-  auto train = data::make_synthetic(data::SyntheticOptions(1500).seed(1));
-  auto test = data::make_synthetic(data::SyntheticOptions(500).seed(2));
-  nn::CifarNet net;
-  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(2e-3));
-  data::Loader loader(train, data::CifarTrain{}, data::LoaderOptions(50).workers(1));
-  data::RandomSampling sampler(train.size(), {.seed = 3});
-  for (size_t epoch = 0; epoch < 3; ++epoch) {
-    net->train();
-    sampler.set_epoch(epoch);
-    for (data::Batch b : loader.epoch(sampler.indices(), epoch)) {
-      opt.zero_grad();
-      auto loss = torch::cross_entropy_loss(net->forward(b.data), b.target);
-      loss.backward();
-      opt.step();
+  TEST_CASE("ResNet parameter counts and names equal torchvision's") {
+    CHECK(nn::count_parameters(*nn::resnet18(1000)) == 11689512);
+    CHECK(nn::count_parameters(*nn::resnet34(5)) == 21287237);
+    CHECK(nn::count_parameters(*nn::resnet50(1000)) == 25557032);
+    auto net = nn::resnet34(5);
+    auto sd = nn::state_dict(*net);
+    for (const char* key :
+         {"conv1.weight", "bn1.running_mean", "bn1.num_batches_tracked",
+          "layer1.0.conv1.weight", "layer2.0.downsample.0.weight",
+          "layer2.0.downsample.1.running_var", "layer4.2.bn2.bias", "fc.weight",
+          "fc.bias"}) {
+      CAPTURE(key);
+      CHECK(sd.contains(key));
     }
+    CHECK_FALSE(sd.contains("layer1.0.downsample.0.weight"));
+    CHECK(sd.size() == 218);  // torchvision resnet34: 218 state-dict entries
+    // Kaiming fan_out: std = sqrt(2 / (out * k * k)).
+    auto w = net->layer3->named_parameters()["0.conv1.weight"];
+    CHECK(std::abs(w.std().item<double>() - std::sqrt(2.0 / (256 * 9))) <
+          0.002);
   }
-  net->eval();
-  torch::NoGradGuard g;
-  auto gen = data::make_generator(0);
-  auto pred = net->forward(data::CifarEval{}(test.images, gen)).argmax(1);
-  double acc = pred.eq(test.labels).to(torch::kDouble).mean().item<double>();
-  MESSAGE("CifarNet synthetic accuracy after 3 epochs: " << acc);
-  CHECK(acc > 0.5);
-}
 
-TEST_CASE("state dict save/load and transfer learning") {
-  ddpkit::test::TempDir tmp;
-  auto a = nn::resnet18(5);
-  nn::save_state_dict(*a, tmp / "a.pt");
-  auto b = nn::resnet18(5);
-  auto report = nn::load_state_dict(*b, tmp / "a.pt");
-  CHECK(report.loaded.size() == 122);
-  CHECK(torch::equal(b->fc->weight, a->fc->weight));
-
-  auto c = nn::resnet18(10);
-  CHECK(what_of([&] { nn::load_state_dict(*c, tmp / "a.pt"); }).find("fc.weight") !=
-        std::string::npos);
-  auto r = nn::load_state_dict(*c, tmp / "a.pt",
-                               nn::LoadStateDictOptions().skip_mismatched(true));
-  CHECK(r.skipped_shape == std::vector<std::string>{"fc.weight", "fc.bias"});
-  CHECK(torch::equal(c->conv1->weight, a->conv1->weight));
-
-  auto small = nn::CifarNet();
-  auto msg = what_of([&] { nn::load_state_dict(*small, tmp / "a.pt"); });
-  CHECK(msg.find("missing [features.0.weight") != std::string::npos);
-  auto r2 = nn::load_state_dict(*small, tmp / "a.pt", nn::LoadStateDictOptions().strict(false));
-  CHECK(r2.loaded.empty());
-  CHECK(r2.unexpected.size() == 122);
-
-  std::ofstream(tmp / "junk.pth") << "not a checkpoint";
-  CHECK(what_of([&] { nn::read_state_dict(tmp / "junk.pth"); }).find("torch.save(dict(") !=
-        std::string::npos);
-}
-
-TEST_CASE("state dicts interoperate with torchvision") {
-  const auto py = find_python();
-  if (py.empty()) {
-    MESSAGE("skipped: no python3 with torch and torchvision");
-    return;
-  }
-  ddpkit::test::TempDir tmp;
-  torch::manual_seed(1);
-  auto net = nn::resnet34(5);
-  {
-    // Move the BN running statistics off their defaults first.
+  TEST_CASE("model output shapes and clone") {
     torch::NoGradGuard g;
-    net->train();
-    for (int i = 0; i < 2; ++i) net->forward(torch::randn({2, 3, 64, 64}) * 2 + 0.5);
+    auto x = torch::randn({1, 3, 64, 64});
+    auto r18 = nn::resnet18(7);
+    r18->eval();
+    CHECK(r18->forward(x).sizes() == torch::IntArrayRef({1, 7}));
+    auto r50 = nn::resnet50(3);
+    r50->eval();
+    CHECK(r50->forward(x).sizes() == torch::IntArrayRef({1, 3}));
+    auto copy = std::dynamic_pointer_cast<nn::ResNetImpl>(r18->clone());
+    REQUIRE(copy);
+    CHECK(torch::equal(copy->forward(x), r18->forward(x)));
+    nn::CifarNet net(nn::CifarNetOptions(10));
+    net->eval();
+    CHECK(net->forward(torch::randn({2, 3, 32, 32})).sizes() ==
+          torch::IntArrayRef({2, 10}));
+    CHECK(nn::count_parameters(*net) == 620586);
   }
-  net->eval();
-  auto x = torch::randn({1, 3, 64, 64});
-  torch::Tensor y;
-  {
+
+  TEST_CASE("CifarNet learns the synthetic set within a few epochs") {
+    torch::manual_seed(0);
+    auto train = data::make_synthetic(data::SyntheticOptions(1500).seed(1));
+    auto test = data::make_synthetic(data::SyntheticOptions(500).seed(2));
+    nn::CifarNet net;
+    torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(2e-3));
+    data::Loader loader(train, data::CifarTrain{},
+                        data::LoaderOptions(50).workers(1));
+    data::RandomSampling sampler(train.size(), {.seed = 3});
+    for (size_t epoch = 0; epoch < 3; ++epoch) {
+      net->train();
+      sampler.set_epoch(epoch);
+      for (data::Batch b : loader.epoch(sampler.indices(), epoch)) {
+        opt.zero_grad();
+        auto loss = torch::cross_entropy_loss(net->forward(b.data), b.target);
+        loss.backward();
+        opt.step();
+      }
+    }
+    net->eval();
     torch::NoGradGuard g;
-    y = net->forward(x);
+    auto gen = data::make_generator(0);
+    auto pred = net->forward(data::CifarEval{}(test.images, gen)).argmax(1);
+    double acc = pred.eq(test.labels).to(torch::kDouble).mean().item<double>();
+    MESSAGE("CifarNet synthetic accuracy after 3 epochs: " << acc);
+    CHECK(acc > 0.5);
   }
-  nn::save_state_dict(*net, tmp / "ddpkit_r34.pt");
-  save_tensors(tmp / "io.pt", {{"x", x}, {"y", y}});
-  std::ofstream(tmp / "check.py") << R"PY(
+
+  TEST_CASE("state dict save/load and transfer learning") {
+    ddpkit::test::TempDir tmp;
+    auto a = nn::resnet18(5);
+    nn::save_state_dict(*a, tmp / "a.pt");
+    auto b = nn::resnet18(5);
+    auto report = nn::load_state_dict(*b, tmp / "a.pt");
+    CHECK(report.loaded.size() == 122);
+    CHECK(torch::equal(b->fc->weight, a->fc->weight));
+
+    auto c = nn::resnet18(10);
+    CHECK(what_of([&] {
+            nn::load_state_dict(*c, tmp / "a.pt");
+          }).find("fc.weight") != std::string::npos);
+    auto r = nn::load_state_dict(
+        *c, tmp / "a.pt", nn::LoadStateDictOptions().skip_mismatched(true));
+    CHECK(r.skipped_shape == std::vector<std::string>{"fc.weight", "fc.bias"});
+    CHECK(torch::equal(c->conv1->weight, a->conv1->weight));
+
+    auto small = nn::CifarNet();
+    auto msg = what_of([&] { nn::load_state_dict(*small, tmp / "a.pt"); });
+    CHECK(msg.find("missing [features.0.weight") != std::string::npos);
+    auto r2 = nn::load_state_dict(*small, tmp / "a.pt",
+                                  nn::LoadStateDictOptions().strict(false));
+    CHECK(r2.loaded.empty());
+    CHECK(r2.unexpected.size() == 122);
+
+    std::ofstream(tmp / "junk.pth") << "not a checkpoint";
+    CHECK(what_of([&] {
+            nn::read_state_dict(tmp / "junk.pth");
+          }).find("torch.save(dict(") != std::string::npos);
+  }
+
+  TEST_CASE("state dicts interoperate with torchvision") {
+    const auto py = find_python();
+    if (py.empty()) {
+      MESSAGE("skipped: no python3 with torch and torchvision");
+      return;
+    }
+    ddpkit::test::TempDir tmp;
+    torch::manual_seed(1);
+    auto net = nn::resnet34(5);
+    {
+      // Move the BN running statistics off their defaults first.
+      torch::NoGradGuard g;
+      net->train();
+      for (int i = 0; i < 2; ++i)
+        net->forward(torch::randn({2, 3, 64, 64}) * 2 + 0.5);
+    }
+    net->eval();
+    auto x = torch::randn({1, 3, 64, 64});
+    torch::Tensor y;
+    {
+      torch::NoGradGuard g;
+      y = net->forward(x);
+    }
+    nn::save_state_dict(*net, tmp / "ddpkit_r34.pt");
+    save_tensors(tmp / "io.pt", {{"x", x}, {"y", y}});
+    std::ofstream(tmp / "check.py") << R"PY(
 import sys, torch, torchvision
 d = sys.argv[1]
 io = torch.load(d + "/io.pt")
@@ -190,23 +198,23 @@ torch.save({"x": io["x"], "y": ty}, d + "/tv_out.pt")
 torch.save(t.state_dict(), d + "/ordered.pt")
 torch.save(dict(t.state_dict()), d + "/legacy.pth", _use_new_zipfile_serialization=False)
 )PY";
-  const auto cmd = py + " " + (tmp / "check.py").string() + " " + tmp.str();
-  REQUIRE(std::system(cmd.c_str()) == 0);
+    const auto cmd = py + " " + (tmp / "check.py").string() + " " + tmp.str();
+    REQUIRE(std::system(cmd.c_str()) == 0);
 
-  auto tv = nn::resnet18(7);
-  auto report = nn::load_state_dict(*tv, tmp / "tv_r18.pt");
-  CHECK(report.loaded.size() == 122);
-  tv->eval();
-  torch::NoGradGuard g;
-  auto expected = nn::read_state_dict(tmp / "tv_out.pt").at("y");
-  CHECK(torch::allclose(tv->forward(x), expected, 1e-4, 1e-4));
+    auto tv = nn::resnet18(7);
+    auto report = nn::load_state_dict(*tv, tmp / "tv_r18.pt");
+    CHECK(report.loaded.size() == 122);
+    tv->eval();
+    torch::NoGradGuard g;
+    auto expected = nn::read_state_dict(tmp / "tv_out.pt").at("y");
+    CHECK(torch::allclose(tv->forward(x), expected, 1e-4, 1e-4));
 
-  auto od = what_of([&] { nn::read_state_dict(tmp / "ordered.pt"); });
-  CHECK(od.find("OrderedDict") != std::string::npos);
-  CHECK(od.find("python3 -c") != std::string::npos);
-  auto legacy = what_of([&] { nn::read_state_dict(tmp / "legacy.pth"); });
-  CHECK(legacy.find("legacy") != std::string::npos);
-  CHECK(legacy.find("python3 -c") != std::string::npos);
-}
+    auto od = what_of([&] { nn::read_state_dict(tmp / "ordered.pt"); });
+    CHECK(od.find("OrderedDict") != std::string::npos);
+    CHECK(od.find("python3 -c") != std::string::npos);
+    auto legacy = what_of([&] { nn::read_state_dict(tmp / "legacy.pth"); });
+    CHECK(legacy.find("legacy") != std::string::npos);
+    CHECK(legacy.find("python3 -c") != std::string::npos);
+  }
 
 }  // TEST_SUITE("nn")

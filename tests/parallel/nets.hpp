@@ -15,12 +15,17 @@ struct SmallNetImpl : torch::nn::Cloneable<SmallNetImpl> {
     reset();
   }
   void reset() override {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+    conv1 = register_module(
+        "conv1",
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
     if (with_bn) bn1 = register_module("bn1", ddpkit::nn::BatchNorm2d(8));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)));
+    conv2 = register_module(
+        "conv2",
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)));
     if (with_bn) bn2 = register_module("bn2", ddpkit::nn::BatchNorm2d(8));
     fc = register_module("fc", torch::nn::Linear(8, 5));
-    if (with_unused) unused = register_module("unused", torch::nn::Linear(5, 5));
+    if (with_unused)
+      unused = register_module("unused", torch::nn::Linear(5, 5));
   }
   torch::Tensor forward(torch::Tensor x) {
     x = conv1(x);
@@ -64,7 +69,10 @@ inline torch::optim::SGD make_sgd(torch::nn::Module& m) {
 
 /// Largest |a-b| over largest |b| (0 when b is all zero and a equals it).
 inline double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  auto d = (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+  auto d = (a.to(torch::kFloat64) - b.to(torch::kFloat64))
+               .abs()
+               .max()
+               .item<double>();
   auto s = b.to(torch::kFloat64).abs().max().item<double>();
   return s > 0 ? d / s : d;
 }

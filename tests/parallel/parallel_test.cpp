@@ -43,7 +43,7 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
   auto net = test::make_net(100 + r, bn);
   if (bn) nn::SyncBN::apply(*net, g);
   typename Policy::template engine<test::SmallNet> eng(net, g, opts,
-                                                      torch::kCPU);
+                                                       torch::kCPU);
   // Check the broadcast: every rank now holds rank 0's (seed 100) weights.
   auto fresh = test::make_net(100, bn);
   if (test::max_state_diff(*net, *fresh) != 0) {
@@ -75,7 +75,8 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
     }
     opt.step();
   }
-  torch::save(net, (test::worker_dir() / ("net" + std::to_string(r) + ".pt")).string());
+  torch::save(
+      net, (test::worker_dir() / ("net" + std::to_string(r) + ".pt")).string());
   return 0;
 }
 
@@ -96,8 +97,10 @@ DDPKIT_WORKER(ddp_train) {
   opts.reducer().first_bucket_cap_bytes(
       std::min<int64_t>(opts.reducer().bucket_cap_bytes(), 1 << 20));
   opts.trace_path(env_or("T_TRACE", ""));
-  if (comm == "fp16") return train_ddp_worker<parallel::DDPFp16>(opts, bn, nosync);
-  if (comm == "bf16") return train_ddp_worker<parallel::DDPBf16>(opts, bn, nosync);
+  if (comm == "fp16")
+    return train_ddp_worker<parallel::DDPFp16>(opts, bn, nosync);
+  if (comm == "bf16")
+    return train_ddp_worker<parallel::DDPBf16>(opts, bn, nosync);
   return train_ddp_worker<parallel::DDP>(opts, bn, nosync);
 }
 
@@ -138,7 +141,8 @@ DDPKIT_WORKER(unused_params) {
   try {
     eng.forward_backward(x, y, test::ce_loss);
   } catch (const std::exception& e) {
-    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank()))) << e.what();
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank())))
+        << e.what();
     return 5;
   }
   // Used parameters got averaged gradients; the unused one none or zero.
@@ -155,183 +159,194 @@ DDPKIT_WORKER(mismatched_models) {
   try {
     parallel::DDP::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
   } catch (const DistError& e) {
-    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank()))) << e.what();
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank())))
+        << e.what();
     return 7;
   }
   return 0;
 }
 
 TEST_SUITE("parallel") {
-
-TEST_CASE("DDP equals one process on the joined batch") {
-  for (bool bn : {false, true}) {
-    for (int world : {2, 4}) {
-      CAPTURE(bn);
-      CAPTURE(world);
-      TempDir dir;
-      auto res = run_workers("ddp_train", world, dir.str(),
-                             {{"T_BN", bn ? "1" : "0"}});
-      REQUIRE(res.ok());
-      auto ref = reference(world, bn);
-      for (int r = 0; r < world; ++r) {
-        auto net = load_net(dir / ("net" + std::to_string(r) + ".pt"), bn);
-        double d = test::max_state_diff(*net, *ref);
-        MESSAGE("world ", world, std::string(bn ? " SyncBN" : ""), " rank ", r,
-                ": max relative difference ", d);
-        CHECK(d <= 1e-5);
+  TEST_CASE("DDP equals one process on the joined batch") {
+    for (bool bn : {false, true}) {
+      for (int world : {2, 4}) {
+        CAPTURE(bn);
+        CAPTURE(world);
+        TempDir dir;
+        auto res = run_workers("ddp_train", world, dir.str(),
+                               {{"T_BN", bn ? "1" : "0"}});
+        REQUIRE(res.ok());
+        auto ref = reference(world, bn);
+        for (int r = 0; r < world; ++r) {
+          auto net = load_net(dir / ("net" + std::to_string(r) + ".pt"), bn);
+          double d = test::max_state_diff(*net, *ref);
+          MESSAGE("world ", world, std::string(bn ? " SyncBN" : ""), " rank ",
+                  r, ": max relative difference ", d);
+          CHECK(d <= 1e-5);
+        }
       }
     }
   }
-}
 
-TEST_CASE("DDP: no_sync accumulation equals one step on the joined batch") {
-  TempDir dir;
-  auto res = run_workers("ddp_train", 2, dir.str(), {{"T_NOSYNC", "1"}});
-  REQUIRE(res.ok());
-  auto ref = reference(2, false);
-  auto net = load_net(dir / "net0.pt", false);
-  double d = test::max_state_diff(*net, *ref);
-  MESSAGE("no_sync: max relative difference ", d);
-  CHECK(d <= 1e-5);
-}
-
-TEST_CASE("DDP: 1 KiB and 25 MiB buckets give identical results") {
-  TempDir small, large;
-  auto trace = (small / "trace_{rank}.json").string();
-  REQUIRE(run_workers("ddp_train", 2, small.str(),
-                      {{"T_BUCKET", "1024"}, {"T_TRACE", trace}})
-              .ok());
-  REQUIRE(run_workers("ddp_train", 2, large.str(), {{"T_BUCKET", "26214400"}})
-              .ok());
-  for (int r = 0; r < 2; ++r) {
-    auto a = load_net(small / ("net" + std::to_string(r) + ".pt"), false);
-    auto b = load_net(large / ("net" + std::to_string(r) + ".pt"), false);
-    CHECK(test::max_state_diff(*a, *b) == 0);
-  }
-  // The trace of the 1 KiB run has many buckets, each with an all-reduce.
-  std::ifstream in(small / "trace_0.json");
-  std::string json((std::istreambuf_iterator<char>(in)), {});
-  CHECK(json.find("\"traceEvents\"") != std::string::npos);
-  CHECK(json.find("allreduce bucket 2") != std::string::npos);
-  CHECK(json.find("wait after backward") != std::string::npos);
-  CHECK(json.find("\"forward\"") != std::string::npos);
-}
-
-TEST_CASE("DDP: compressed gradients stay within their documented tolerance") {
-  auto ref = reference(2, false);
-  for (auto [comm, tol] : {std::pair{std::string("fp16"), 1e-3},
-                           std::pair{std::string("bf16"), 1e-2}}) {
-    CAPTURE(comm);
+  TEST_CASE("DDP: no_sync accumulation equals one step on the joined batch") {
     TempDir dir;
-    REQUIRE(run_workers("ddp_train", 2, dir.str(), {{"T_COMM", comm}}).ok());
+    auto res = run_workers("ddp_train", 2, dir.str(), {{"T_NOSYNC", "1"}});
+    REQUIRE(res.ok());
+    auto ref = reference(2, false);
     auto net = load_net(dir / "net0.pt", false);
     double d = test::max_state_diff(*net, *ref);
-    MESSAGE(comm, ": max relative difference to float32 ", d);
-    CHECK(d <= tol);
-    CHECK(d > 0);  // it really went through the compressed path
-  }
-}
-
-TEST_CASE("SyncBatchNorm with unequal per-rank batches equals BatchNorm on the concatenated batch") {
-  TempDir dir;
-  REQUIRE(run_workers("syncbn_unequal", 2, dir.str()).ok());
-  auto gen = at::detail::createCPUGenerator(7);
-  auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
-  auto wts = torch::randn({8, 4, 3, 3}, gen);
-  auto x = x_all.clone().requires_grad_(true);
-  torch::manual_seed(3);
-  torch::nn::BatchNorm2d bn(4);  // libtorch's own BatchNorm as the reference
-  bn->weight.data().uniform_(0.5, 1.5);
-  bn->bias.data().uniform_(-0.5, 0.5);
-  auto y = bn(x);
-  (y * wts).sum().backward();
-  auto y_dist = torch::cat({test::load_tensor(dir / "y0.pt"), test::load_tensor(dir / "y1.pt")});
-  auto dx_dist = torch::cat({test::load_tensor(dir / "dx0.pt"), test::load_tensor(dir / "dx1.pt")});
-  MESSAGE("outputs ", test::rel_diff(y_dist, y.detach()), ", input grads ",
-          test::rel_diff(dx_dist, x.grad()));
-  CHECK(test::rel_diff(y_dist, y.detach()) <= 1e-5);
-  CHECK(test::rel_diff(dx_dist, x.grad()) <= 1e-5);
-  for (int r = 0; r < 2; ++r) {
-    auto tag = std::to_string(r);
-    CHECK(test::rel_diff(test::load_tensor(dir / ("rm" + tag + ".pt")), bn->running_mean) <= 1e-5);
-    CHECK(test::rel_diff(test::load_tensor(dir / ("rv" + tag + ".pt")), bn->running_var) <= 1e-5);
-  }
-}
-
-TEST_CASE("BatchNorm2d matches torch::nn::BatchNorm2d and its state dict") {
-  torch::manual_seed(1);
-  nn::BatchNorm2d ours(6);
-  torch::nn::BatchNorm2d theirs(6);
-  auto x = torch::randn({5, 6, 4, 4});
-  CHECK(torch::allclose(ours(x), theirs(x), 1e-5, 1e-6));
-  CHECK(torch::allclose(ours->running_var, theirs->running_var));
-  ours->eval();
-  theirs->eval();
-  CHECK(torch::allclose(ours(x), theirs(x), 1e-5, 1e-6));
-  std::vector<std::string> a, b;
-  for (auto& p : ours->named_parameters()) a.push_back(p.key());
-  for (auto& p : ours->named_buffers()) a.push_back(p.key());
-  for (auto& p : theirs->named_parameters()) b.push_back(p.key());
-  for (auto& p : theirs->named_buffers()) b.push_back(p.key());
-  CHECK(a == b);
-}
-
-TEST_CASE("convert_sync_batchnorm names a torch::nn::BatchNorm2d it cannot convert") {
-  torch::nn::Sequential seq(torch::nn::Conv2d(3, 4, 1), torch::nn::BatchNorm2d(4));
-  CHECK_THROWS_WITH_AS(nn::convert_sync_batchnorm(*seq, dist::Group{}),
-                       doctest::Contains("module '1' is a torch::nn::BatchNorm2d"),
-                       UsageError);
-  auto net = test::make_net(1, true);
-  CHECK(nn::convert_sync_batchnorm(*net, dist::Group{}) == 2);
-}
-
-TEST_CASE("DataParallel with CPU replicas equals single-device training") {
-  auto ref = reference(1, false, 6);
-  for (int replicas : {2, 3}) {
-    CAPTURE(replicas);
-    auto net = test::make_net(100, false);
-    parallel::DataParallel::engine<test::SmallNet> eng(
-        net, dist::Group{}, parallel::DataParallelOptions().replicas(replicas),
-        torch::kCPU);
-    CHECK(eng.num_replicas() == static_cast<std::size_t>(replicas));
-    auto opt = test::make_sgd(*net);
-    for (int s = 0; s < kSteps; ++s) {
-      auto [x, y] = test::global_batch(s, 6);
-      opt.zero_grad();
-      auto out = eng.forward_backward(x, y, test::ce_loss);
-      CHECK(out.output.size(0) == 6);
-      opt.step();
-    }
-    double d = test::max_state_diff(*net, *ref);
-    MESSAGE(replicas, " replicas: max relative difference ", d);
+    MESSAGE("no_sync: max relative difference ", d);
     CHECK(d <= 1e-5);
   }
-}
 
-TEST_CASE("DDP: unused parameters are an error naming them, or handled") {
-  TempDir dir;
-  auto res = run_workers("unused_params", 2, dir.str(), {{"T_FIND", "0"}});
-  CHECK(res.exit_code == 5);
-  std::ifstream in(dir / "error0");
-  std::string msg((std::istreambuf_iterator<char>(in)), {});
-  MESSAGE(msg);
-  CHECK(msg.find("unused.weight") != std::string::npos);
-  CHECK(msg.find("find_unused_parameters") != std::string::npos);
-  TempDir dir2;
-  CHECK(run_workers("unused_params", 2, dir2.str(), {{"T_FIND", "1"}}).ok());
-}
-
-TEST_CASE("DDP: models that differ across ranks fail at construction") {
-  TempDir dir;
-  auto res = run_workers("mismatched_models", 2, dir.str());
-  CHECK(res.exit_code == 7);
-  for (int r = 0; r < 2; ++r) {
-    std::ifstream in(dir / ("error" + std::to_string(r)));
-    std::string msg((std::istreambuf_iterator<char>(in)), {});
-    CAPTURE(msg);
-    CHECK(msg.find("the model differs across ranks") != std::string::npos);
-    CHECK(msg.find("rank 1 has 'parameter bn1.weight") != std::string::npos);
+  TEST_CASE("DDP: 1 KiB and 25 MiB buckets give identical results") {
+    TempDir small, large;
+    auto trace = (small / "trace_{rank}.json").string();
+    REQUIRE(run_workers("ddp_train", 2, small.str(),
+                        {{"T_BUCKET", "1024"}, {"T_TRACE", trace}})
+                .ok());
+    REQUIRE(run_workers("ddp_train", 2, large.str(), {{"T_BUCKET", "26214400"}})
+                .ok());
+    for (int r = 0; r < 2; ++r) {
+      auto a = load_net(small / ("net" + std::to_string(r) + ".pt"), false);
+      auto b = load_net(large / ("net" + std::to_string(r) + ".pt"), false);
+      CHECK(test::max_state_diff(*a, *b) == 0);
+    }
+    // The trace of the 1 KiB run has many buckets, each with an all-reduce.
+    std::ifstream in(small / "trace_0.json");
+    std::string json((std::istreambuf_iterator<char>(in)), {});
+    CHECK(json.find("\"traceEvents\"") != std::string::npos);
+    CHECK(json.find("allreduce bucket 2") != std::string::npos);
+    CHECK(json.find("wait after backward") != std::string::npos);
+    CHECK(json.find("\"forward\"") != std::string::npos);
   }
-}
+
+  TEST_CASE(
+      "DDP: compressed gradients stay within their documented tolerance") {
+    auto ref = reference(2, false);
+    for (auto [comm, tol] : {std::pair{std::string("fp16"), 1e-3},
+                             std::pair{std::string("bf16"), 1e-2}}) {
+      CAPTURE(comm);
+      TempDir dir;
+      REQUIRE(run_workers("ddp_train", 2, dir.str(), {{"T_COMM", comm}}).ok());
+      auto net = load_net(dir / "net0.pt", false);
+      double d = test::max_state_diff(*net, *ref);
+      MESSAGE(comm, ": max relative difference to float32 ", d);
+      CHECK(d <= tol);
+      CHECK(d > 0);  // it really went through the compressed path
+    }
+  }
+
+  TEST_CASE(
+      "SyncBatchNorm with unequal per-rank batches equals BatchNorm on the "
+      "concatenated batch") {
+    TempDir dir;
+    REQUIRE(run_workers("syncbn_unequal", 2, dir.str()).ok());
+    auto gen = at::detail::createCPUGenerator(7);
+    auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
+    auto wts = torch::randn({8, 4, 3, 3}, gen);
+    auto x = x_all.clone().requires_grad_(true);
+    torch::manual_seed(3);
+    torch::nn::BatchNorm2d bn(4);  // libtorch's own BatchNorm as the reference
+    bn->weight.data().uniform_(0.5, 1.5);
+    bn->bias.data().uniform_(-0.5, 0.5);
+    auto y = bn(x);
+    (y * wts).sum().backward();
+    auto y_dist = torch::cat(
+        {test::load_tensor(dir / "y0.pt"), test::load_tensor(dir / "y1.pt")});
+    auto dx_dist = torch::cat(
+        {test::load_tensor(dir / "dx0.pt"), test::load_tensor(dir / "dx1.pt")});
+    MESSAGE("outputs ", test::rel_diff(y_dist, y.detach()), ", input grads ",
+            test::rel_diff(dx_dist, x.grad()));
+    CHECK(test::rel_diff(y_dist, y.detach()) <= 1e-5);
+    CHECK(test::rel_diff(dx_dist, x.grad()) <= 1e-5);
+    for (int r = 0; r < 2; ++r) {
+      auto tag = std::to_string(r);
+      CHECK(test::rel_diff(test::load_tensor(dir / ("rm" + tag + ".pt")),
+                           bn->running_mean) <= 1e-5);
+      CHECK(test::rel_diff(test::load_tensor(dir / ("rv" + tag + ".pt")),
+                           bn->running_var) <= 1e-5);
+    }
+  }
+
+  TEST_CASE("BatchNorm2d matches torch::nn::BatchNorm2d and its state dict") {
+    torch::manual_seed(1);
+    nn::BatchNorm2d ours(6);
+    torch::nn::BatchNorm2d theirs(6);
+    auto x = torch::randn({5, 6, 4, 4});
+    CHECK(torch::allclose(ours(x), theirs(x), 1e-5, 1e-6));
+    CHECK(torch::allclose(ours->running_var, theirs->running_var));
+    ours->eval();
+    theirs->eval();
+    CHECK(torch::allclose(ours(x), theirs(x), 1e-5, 1e-6));
+    std::vector<std::string> a, b;
+    for (auto& p : ours->named_parameters()) a.push_back(p.key());
+    for (auto& p : ours->named_buffers()) a.push_back(p.key());
+    for (auto& p : theirs->named_parameters()) b.push_back(p.key());
+    for (auto& p : theirs->named_buffers()) b.push_back(p.key());
+    CHECK(a == b);
+  }
+
+  TEST_CASE(
+      "convert_sync_batchnorm names a torch::nn::BatchNorm2d it cannot "
+      "convert") {
+    torch::nn::Sequential seq(torch::nn::Conv2d(3, 4, 1),
+                              torch::nn::BatchNorm2d(4));
+    CHECK_THROWS_WITH_AS(
+        nn::convert_sync_batchnorm(*seq, dist::Group{}),
+        doctest::Contains("module '1' is a torch::nn::BatchNorm2d"),
+        UsageError);
+    auto net = test::make_net(1, true);
+    CHECK(nn::convert_sync_batchnorm(*net, dist::Group{}) == 2);
+  }
+
+  TEST_CASE("DataParallel with CPU replicas equals single-device training") {
+    auto ref = reference(1, false, 6);
+    for (int replicas : {2, 3}) {
+      CAPTURE(replicas);
+      auto net = test::make_net(100, false);
+      parallel::DataParallel::engine<test::SmallNet> eng(
+          net, dist::Group{},
+          parallel::DataParallelOptions().replicas(replicas), torch::kCPU);
+      CHECK(eng.num_replicas() == static_cast<std::size_t>(replicas));
+      auto opt = test::make_sgd(*net);
+      for (int s = 0; s < kSteps; ++s) {
+        auto [x, y] = test::global_batch(s, 6);
+        opt.zero_grad();
+        auto out = eng.forward_backward(x, y, test::ce_loss);
+        CHECK(out.output.size(0) == 6);
+        opt.step();
+      }
+      double d = test::max_state_diff(*net, *ref);
+      MESSAGE(replicas, " replicas: max relative difference ", d);
+      CHECK(d <= 1e-5);
+    }
+  }
+
+  TEST_CASE("DDP: unused parameters are an error naming them, or handled") {
+    TempDir dir;
+    auto res = run_workers("unused_params", 2, dir.str(), {{"T_FIND", "0"}});
+    CHECK(res.exit_code == 5);
+    std::ifstream in(dir / "error0");
+    std::string msg((std::istreambuf_iterator<char>(in)), {});
+    MESSAGE(msg);
+    CHECK(msg.find("unused.weight") != std::string::npos);
+    CHECK(msg.find("find_unused_parameters") != std::string::npos);
+    TempDir dir2;
+    CHECK(run_workers("unused_params", 2, dir2.str(), {{"T_FIND", "1"}}).ok());
+  }
+
+  TEST_CASE("DDP: models that differ across ranks fail at construction") {
+    TempDir dir;
+    auto res = run_workers("mismatched_models", 2, dir.str());
+    CHECK(res.exit_code == 7);
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(dir / ("error" + std::to_string(r)));
+      std::string msg((std::istreambuf_iterator<char>(in)), {});
+      CAPTURE(msg);
+      CHECK(msg.find("the model differs across ranks") != std::string::npos);
+      CHECK(msg.find("rank 1 has 'parameter bn1.weight") != std::string::npos);
+    }
+  }
 
 }  // TEST_SUITE("parallel")

@@ -29,12 +29,14 @@ struct ImageTensors {
   std::size_t size() const {
     return images.defined() ? static_cast<std::size_t>(images.size(0)) : 0;
   }
-  std::size_t num_classes() const { return classes.size(); }
+  std::size_t num_classes() const {
+    return classes.size();
+  }
 
   /// The rows `indices`, in that order (a copy).
   ImageTensors subset(const std::vector<std::size_t>& indices) const {
-    auto idx = torch::empty({static_cast<int64_t>(indices.size())},
-                            torch::kInt64);
+    auto idx =
+        torch::empty({static_cast<int64_t>(indices.size())}, torch::kInt64);
     std::copy(indices.begin(), indices.end(), idx.data_ptr<int64_t>());
     return {images.index_select(0, idx), labels.index_select(0, idx), classes};
   }
@@ -59,11 +61,12 @@ struct Split {
 inline Split split_train_val(const ImageTensors& set, double val_ratio,
                              std::uint64_t seed) {
   if (!(val_ratio >= 0.0 && val_ratio < 1.0)) {
-    throw UsageError(ddpkit::detail::cat(
-        "split_train_val: val_ratio ", val_ratio, " must be in [0, 1)"));
+    throw UsageError(ddpkit::detail::cat("split_train_val: val_ratio ",
+                                         val_ratio, " must be in [0, 1)"));
   }
   const auto n = set.size();
-  const auto n_val = static_cast<std::size_t>(static_cast<double>(n) * val_ratio);
+  const auto n_val =
+      static_cast<std::size_t>(static_cast<double>(n) * val_ratio);
   auto perm = detail::seeded_permutation(n, seed);
   std::vector<std::size_t> val(perm.begin(), perm.begin() + n_val);
   std::vector<std::size_t> train(perm.begin() + n_val, perm.end());
@@ -187,7 +190,8 @@ inline std::vector<std::string> read_cifar10_meta(
 /// Example:
 /// ```
 /// auto cifar = ddpkit::data::load_cifar10("data", {});
-/// // cifar.train.images: uint8 45000×3×32×32, cifar.val: 5000, cifar.test: 10000
+/// // cifar.train.images: uint8 45000×3×32×32, cifar.val: 5000, cifar.test:
+/// 10000
 /// ```
 inline Cifar10 load_cifar10(const std::filesystem::path& dir,
                             Cifar10Options opts = {}) {

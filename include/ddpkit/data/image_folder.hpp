@@ -56,11 +56,19 @@ class ImageFiles {
         skip_corrupt_(skip_corrupt),
         corrupt_(std::make_shared<std::atomic<std::size_t>>(0)) {}
 
-  std::size_t size() const { return samples_.size(); }
-  const std::vector<ImageSample>& samples() const { return samples_; }
-  const std::vector<std::string>& classes() const { return classes_; }
+  std::size_t size() const {
+    return samples_.size();
+  }
+  const std::vector<ImageSample>& samples() const {
+    return samples_;
+  }
+  const std::vector<std::string>& classes() const {
+    return classes_;
+  }
   /// Files found corrupt while loading (only counted with `skip_corrupt`).
-  std::size_t corrupt_count() const { return corrupt_ ? corrupt_->load() : 0; }
+  std::size_t corrupt_count() const {
+    return corrupt_ ? corrupt_->load() : 0;
+  }
 
   /// Reads `indices`. Without `skip_corrupt` the files stay undecoded
   /// (the transform decodes them; a corrupt or truncated file is a
@@ -68,7 +76,8 @@ class ImageFiles {
   /// PNG is one here). With `skip_corrupt` every file is
   /// decoded here, and a corrupt one is left out of the batch (and its
   /// label with it) and counted.
-  std::pair<ImageBatch, torch::Tensor> get(const std::vector<std::size_t>& indices) const {
+  std::pair<ImageBatch, torch::Tensor> get(
+      const std::vector<std::size_t>& indices) const {
     std::vector<ImageBatch::Item> items;
     std::vector<int64_t> labels;
     items.reserve(indices.size());
@@ -76,9 +85,11 @@ class ImageFiles {
       const auto& s = samples_.at(i);
       ImageBatch::Item item{nullptr, s.path.string(), {}, decode_min_side_};
       try {
-        auto bytes = std::make_shared<std::vector<unsigned char>>(read_file_bytes(s.path));
+        auto bytes = std::make_shared<std::vector<unsigned char>>(
+            read_file_bytes(s.path));
         if (!is_jpeg(*bytes) && !is_png(*bytes)) {
-          throw UsageError(ddpkit::detail::cat("not a JPEG or PNG image: ", item.name));
+          throw UsageError(
+              ddpkit::detail::cat("not a JPEG or PNG image: ", item.name));
         }
         if (skip_corrupt_) {
           item.image = decode_image_bytes(*bytes, decode_min_side_, item.name);
@@ -174,8 +185,8 @@ inline ImageFolder read_image_folder(const std::filesystem::path& root,
                                          " is not a folder"));
   }
   if (!(opts.val_ratio() >= 0.0 && opts.val_ratio() < 1.0)) {
-    throw UsageError(ddpkit::detail::cat("ImageFolder: val_ratio ", opts.val_ratio(),
-                                         " must be in [0, 1)"));
+    throw UsageError(ddpkit::detail::cat(
+        "ImageFolder: val_ratio ", opts.val_ratio(), " must be in [0, 1)"));
   }
   ImageFolder out;
   for (const auto& e : fs::directory_iterator(root)) {
@@ -188,7 +199,8 @@ inline ImageFolder read_image_folder(const std::filesystem::path& root,
         " has no class folders (expected one subfolder of images per class)"));
   }
   auto lower = [](std::string s) {
-    for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    for (auto& c : s)
+      c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     return s;
   };
   std::vector<std::string> exts;
@@ -213,8 +225,8 @@ inline ImageFolder read_image_folder(const std::filesystem::path& root,
                                            " has no images"));
     }
     std::sort(files.begin(), files.end());
-    const auto n_val = static_cast<std::size_t>(static_cast<double>(files.size()) *
-                                                opts.val_ratio());
+    const auto n_val = static_cast<std::size_t>(
+        static_cast<double>(files.size()) * opts.val_ratio());
     auto perm = detail::seeded_permutation(files.size(), opts.seed() + c);
     std::vector<bool> is_val(files.size(), false);
     for (std::size_t k = 0; k < n_val; ++k) is_val[perm[k]] = true;
@@ -227,7 +239,8 @@ inline ImageFolder read_image_folder(const std::filesystem::path& root,
         "ImageFolder: ", root.string(), " split into ", train.size(),
         " training and ", val.size(),
         " validation images; both must be non-empty (more images per class or "
-        "another val_ratio than ", opts.val_ratio(), ")"));
+        "another val_ratio than ",
+        opts.val_ratio(), ")"));
   }
   if (!opts.class_indices_json().empty()) {
     std::ofstream js(opts.class_indices_json());

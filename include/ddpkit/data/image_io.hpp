@@ -7,11 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <memory>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,11 +49,14 @@
 namespace ddpkit::data {
 
 /// The bytes of `file`; a UsageError naming it when it cannot be read.
-inline std::vector<unsigned char> read_file_bytes(const std::filesystem::path& file) {
+inline std::vector<unsigned char> read_file_bytes(
+    const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary | std::ios::ate);
-  if (!in) throw UsageError(ddpkit::detail::cat("cannot open image ", file.string()));
+  if (!in)
+    throw UsageError(ddpkit::detail::cat("cannot open image ", file.string()));
   const auto size = static_cast<std::streamoff>(in.tellg());
-  if (size < 0) throw UsageError(ddpkit::detail::cat("cannot read image ", file.string()));
+  if (size < 0)
+    throw UsageError(ddpkit::detail::cat("cannot read image ", file.string()));
   std::vector<unsigned char> bytes(static_cast<std::size_t>(size));
   in.seekg(0);
   if (!in.read(reinterpret_cast<char*>(bytes.data()), size)) {
@@ -66,7 +69,8 @@ inline bool is_jpeg(const std::vector<unsigned char>& b) {
   return b.size() > 3 && b[0] == 0xFF && b[1] == 0xD8 && b[2] == 0xFF;
 }
 inline bool is_png(const std::vector<unsigned char>& b) {
-  return b.size() > 8 && b[0] == 0x89 && b[1] == 'P' && b[2] == 'N' && b[3] == 'G';
+  return b.size() > 8 && b[0] == 0x89 && b[1] == 'P' && b[2] == 'N' &&
+         b[3] == 'G';
 }
 
 namespace detail {
@@ -101,17 +105,19 @@ inline ImageSize jpeg_size(const std::vector<unsigned char>& bytes,
 #ifdef DDPKIT_HAS_TURBOJPEG
   tjhandle h = detail::thread_decompressor();
   int w = 0, ht = 0, subsamp = 0, colorspace = 0;
-  if (tjDecompressHeader3(h, bytes.data(), static_cast<unsigned long>(bytes.size()), &w,
-                          &ht, &subsamp, &colorspace) != 0) {
+  if (tjDecompressHeader3(h, bytes.data(),
+                          static_cast<unsigned long>(bytes.size()), &w, &ht,
+                          &subsamp, &colorspace) != 0) {
     throw UsageError(ddpkit::detail::cat("not a readable JPEG: ", name, " (",
                                          tjGetErrorStr2(h), ")"));
   }
   return {ht, w};
 #else
   (void)bytes;
-  throw UsageError(ddpkit::detail::cat(
-      "cannot decode ", name, ": ddpkit was built without libjpeg-turbo "
-      "(install libturbojpeg0-dev and reconfigure)"));
+  throw UsageError(
+      ddpkit::detail::cat("cannot decode ", name,
+                          ": ddpkit was built without libjpeg-turbo "
+                          "(install libturbojpeg0-dev and reconfigure)"));
 #endif
 }
 
@@ -145,14 +151,16 @@ inline ImageSize decode_jpeg_hwc(const std::vector<unsigned char>& bytes,
   const int sh = TJSCALED(static_cast<int>(size.height), f);
   out.resize(static_cast<std::size_t>(sw) * sh * 3 + 16);
   const int flags = opts.fast ? (TJFLAG_FASTDCT | TJFLAG_FASTUPSAMPLE) : 0;
-  if (tjDecompress2(h, bytes.data(), static_cast<unsigned long>(bytes.size()), out.data(),
-                    sw, 0, sh, TJPF_RGB, flags) != 0) {
+  if (tjDecompress2(h, bytes.data(), static_cast<unsigned long>(bytes.size()),
+                    out.data(), sw, 0, sh, TJPF_RGB, flags) != 0) {
     const std::string msg = tjGetErrorStr2(h);
     if (tjGetErrorCode(h) == TJERR_FATAL) {
-      throw UsageError(ddpkit::detail::cat("corrupt JPEG: ", name, " (", msg, ")"));
+      throw UsageError(
+          ddpkit::detail::cat("corrupt JPEG: ", name, " (", msg, ")"));
     }
     if (msg.find("Premature end") != std::string::npos) {
-      throw UsageError(ddpkit::detail::cat("truncated JPEG: ", name, " (", msg, ")"));
+      throw UsageError(
+          ddpkit::detail::cat("truncated JPEG: ", name, " (", msg, ")"));
     }
   }
   return {sh, sw};
@@ -160,9 +168,10 @@ inline ImageSize decode_jpeg_hwc(const std::vector<unsigned char>& bytes,
   (void)bytes;
   (void)out;
   (void)opts;
-  throw UsageError(ddpkit::detail::cat(
-      "cannot decode ", name, ": ddpkit was built without libjpeg-turbo "
-      "(install libturbojpeg0-dev and reconfigure)"));
+  throw UsageError(
+      ddpkit::detail::cat("cannot decode ", name,
+                          ": ddpkit was built without libjpeg-turbo "
+                          "(install libturbojpeg0-dev and reconfigure)"));
 #endif
 }
 
@@ -212,14 +221,20 @@ inline const LibJpeg& libjpeg() {
     void* h = dlopen("libjpeg.so.62", RTLD_NOW | RTLD_LOCAL);
     if (!h) return l;
     auto sym = [h](auto& f, const char* name) {
-      f = reinterpret_cast<std::remove_reference_t<decltype(f)>>(dlsym(h, name));
+      f = reinterpret_cast<std::remove_reference_t<decltype(f)>>(
+          dlsym(h, name));
       return f != nullptr;
     };
-    l.ok = sym(l.std_error, "jpeg_std_error") && sym(l.create, "jpeg_CreateDecompress") &&
-           sym(l.mem_src, "jpeg_mem_src") && sym(l.read_header, "jpeg_read_header") &&
-           sym(l.start, "jpeg_start_decompress") && sym(l.crop, "jpeg_crop_scanline") &&
-           sym(l.skip, "jpeg_skip_scanlines") && sym(l.read, "jpeg_read_scanlines") &&
-           sym(l.abort, "jpeg_abort_decompress") && sym(l.destroy, "jpeg_destroy_decompress");
+    l.ok = sym(l.std_error, "jpeg_std_error") &&
+           sym(l.create, "jpeg_CreateDecompress") &&
+           sym(l.mem_src, "jpeg_mem_src") &&
+           sym(l.read_header, "jpeg_read_header") &&
+           sym(l.start, "jpeg_start_decompress") &&
+           sym(l.crop, "jpeg_crop_scanline") &&
+           sym(l.skip, "jpeg_skip_scanlines") &&
+           sym(l.read, "jpeg_read_scanlines") &&
+           sym(l.abort, "jpeg_abort_decompress") &&
+           sym(l.destroy, "jpeg_destroy_decompress");
     return l;
   }();
   return lib;
@@ -251,10 +266,12 @@ extern "C" inline void ddpkit_jpeg_emit_message(j_common_ptr c, int level) {
 
 /// The region decode proper; only trivially destructible locals live
 /// across the setjmp. Returns 0, or the JpegErr kind with `err.msg` set.
-inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data, unsigned long size,
-                           double top, double left, double height, double width,
-                           const JpegDecodeOptions& opts, std::vector<std::uint8_t>& out,
-                           JpegBlock& block, JpegErr& err) {
+inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data,
+                           unsigned long size, double top, double left,
+                           double height, double width,
+                           const JpegDecodeOptions& opts,
+                           std::vector<std::uint8_t>& out, JpegBlock& block,
+                           JpegErr& err) {
   jpeg_decompress_struct cinfo;
   cinfo.err = lib.std_error(&err.pub);
   err.pub.error_exit = ddpkit_jpeg_error_exit;
@@ -282,14 +299,16 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data, unsign
   // One column of margin each side: fancy (triangle) chroma upsampling
   // treats the cut as an image edge, so the block's first and last columns
   // differ from a full decode's; they are dropped below.
-  const int64_t x0 =
-      std::clamp<int64_t>(static_cast<int64_t>(std::floor(left * s)) - 1, 0, W - 1);
+  const int64_t x0 = std::clamp<int64_t>(
+      static_cast<int64_t>(std::floor(left * s)) - 1, 0, W - 1);
   const int64_t x1 = std::clamp<int64_t>(
       static_cast<int64_t>(std::ceil((left + width) * s)) + 1, x0 + 1, W);
-  const int64_t y0 = std::clamp<int64_t>(static_cast<int64_t>(std::floor(top * s)), 0, H - 1);
+  const int64_t y0 =
+      std::clamp<int64_t>(static_cast<int64_t>(std::floor(top * s)), 0, H - 1);
   const int64_t y1 = std::clamp<int64_t>(
       static_cast<int64_t>(std::ceil((top + height) * s)), y0 + 1, H);
-  JDIMENSION xoff = static_cast<JDIMENSION>(x0), cw = static_cast<JDIMENSION>(x1 - x0);
+  JDIMENSION xoff = static_cast<JDIMENSION>(x0),
+             cw = static_cast<JDIMENSION>(x1 - x0);
   if (cw < cinfo.output_width) lib.crop(&cinfo, &xoff, &cw);
   if (y0 > 0) lib.skip(&cinfo, static_cast<JDIMENSION>(y0));
   const std::size_t row_bytes = static_cast<std::size_t>(cw) * 3;
@@ -305,8 +324,12 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data, unsign
   }
   lib.abort(&cinfo);
   lib.destroy(&cinfo);
-  block = {y1 - y0, static_cast<int64_t>(cw), y0, static_cast<int64_t>(xoff),
-           static_cast<int64_t>(row_bytes), 0};
+  block = {y1 - y0,
+           static_cast<int64_t>(cw),
+           y0,
+           static_cast<int64_t>(xoff),
+           static_cast<int64_t>(row_bytes),
+           0};
   if (block.left > 0 && block.width > 1) {
     block.left += 1;
     block.width -= 1;
@@ -329,9 +352,10 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data, unsign
 /// in an EOI marker (maybe truncated, or trailing data) or when libjpeg
 /// cannot handle it (e.g. CMYK); a truncated file is a UsageError naming
 /// `name`.
-inline bool decode_jpeg_region(const std::vector<unsigned char>& bytes, double top,
-                               double left, double height, double width,
-                               std::vector<std::uint8_t>& out, JpegBlock& block,
+inline bool decode_jpeg_region(const std::vector<unsigned char>& bytes,
+                               double top, double left, double height,
+                               double width, std::vector<std::uint8_t>& out,
+                               JpegBlock& block,
                                const JpegDecodeOptions& opts = {},
                                const std::string& name = "<memory>") {
 #ifdef DDPKIT_JPEG_REGION
@@ -344,15 +368,17 @@ inline bool decode_jpeg_region(const std::vector<unsigned char>& bytes, double t
   while (end > 2 && bytes[end - 1] == 0) --end;
   if (end < 4 || bytes[end - 2] != 0xFF || bytes[end - 1] != 0xD9) return false;
   detail::JpegErr err;
-  const int rc = detail::jpeg_region_raw(lib, bytes.data(),
-                                         static_cast<unsigned long>(bytes.size()), top, left,
-                                         height, width, opts, out, block, err);
+  const int rc = detail::jpeg_region_raw(
+      lib, bytes.data(), static_cast<unsigned long>(bytes.size()), top, left,
+      height, width, opts, out, block, err);
   if (rc == 2) {
-    throw UsageError(ddpkit::detail::cat("truncated JPEG: ", name, " (", err.msg, ")"));
+    throw UsageError(
+        ddpkit::detail::cat("truncated JPEG: ", name, " (", err.msg, ")"));
   }
   return rc == 0;
 #else
-  (void)bytes, (void)top, (void)left, (void)height, (void)width, (void)out, (void)block;
+  (void)bytes, (void)top, (void)left, (void)height, (void)width, (void)out,
+      (void)block;
   (void)opts, (void)name;
   return false;
 #endif
@@ -363,7 +389,8 @@ inline bool decode_jpeg_region(const std::vector<unsigned char>& bytes, double t
 /// least `min_side`: an 8× smaller decode is much cheaper than a full one
 /// followed by a resize, when the training size is far below the photo's.
 inline torch::Tensor decode_jpeg(const std::vector<unsigned char>& bytes,
-                                 int64_t min_side = 0, const std::string& name = "<memory>") {
+                                 int64_t min_side = 0,
+                                 const std::string& name = "<memory>") {
 #ifdef DDPKIT_HAS_TURBOJPEG
   const auto size = jpeg_size(bytes, name);
   tjscalingfactor best{1, 1};
@@ -373,7 +400,8 @@ inline torch::Tensor decode_jpeg(const std::vector<unsigned char>& bytes,
     int64_t best_w = size.width;
     for (int i = 0; i < n; ++i) {
       if (f[i].num > f[i].denom) continue;  // only shrink
-      const int64_t sw = TJSCALED(size.width, f[i]), sh = TJSCALED(size.height, f[i]);
+      const int64_t sw = TJSCALED(size.width, f[i]),
+                    sh = TJSCALED(size.height, f[i]);
       if (sw >= min_side && sh >= min_side && sw < best_w) {
         best = f[i];
         best_w = sw;
@@ -384,14 +412,16 @@ inline torch::Tensor decode_jpeg(const std::vector<unsigned char>& bytes,
   o.scale_num = best.num * 8 / best.denom;
   std::vector<std::uint8_t> buf;
   const auto s = decode_jpeg_hwc(bytes, buf, o, name);
-  auto hwc = torch::from_blob(buf.data(), {s.height, s.width, 3}, torch::kUInt8);
+  auto hwc =
+      torch::from_blob(buf.data(), {s.height, s.width, 3}, torch::kUInt8);
   return hwc.permute({2, 0, 1}).contiguous();
 #else
   (void)bytes;
   (void)min_side;
-  throw UsageError(ddpkit::detail::cat(
-      "cannot decode ", name, ": ddpkit was built without libjpeg-turbo "
-      "(install libturbojpeg0-dev and reconfigure)"));
+  throw UsageError(
+      ddpkit::detail::cat("cannot decode ", name,
+                          ": ddpkit was built without libjpeg-turbo "
+                          "(install libturbojpeg0-dev and reconfigure)"));
 #endif
 }
 
@@ -412,14 +442,15 @@ inline ImageSize decode_png_hwc(const std::vector<unsigned char>& bytes,
   if (!png_image_finish_read(&img, nullptr, out.data(), 0, nullptr)) {
     std::string msg = img.message;
     png_image_free(&img);
-    throw UsageError(ddpkit::detail::cat("corrupt PNG: ", name, " (", msg, ")"));
+    throw UsageError(
+        ddpkit::detail::cat("corrupt PNG: ", name, " (", msg, ")"));
   }
   return {static_cast<int64_t>(img.height), static_cast<int64_t>(img.width)};
 #else
   (void)bytes;
   (void)out;
-  throw UsageError(ddpkit::detail::cat(
-      "cannot decode ", name, ": ddpkit was built without libpng"));
+  throw UsageError(ddpkit::detail::cat("cannot decode ", name,
+                                       ": ddpkit was built without libpng"));
 #endif
 }
 
@@ -436,7 +467,8 @@ inline torch::Tensor decode_png(const std::vector<unsigned char>& bytes,
 /// Decodes JPEG or PNG bytes (by content) to uint8 3×H×W; `min_side` asks
 /// for a scaled JPEG decode (see `decode_jpeg`).
 inline torch::Tensor decode_image_bytes(const std::vector<unsigned char>& bytes,
-                                        int64_t min_side, const std::string& name) {
+                                        int64_t min_side,
+                                        const std::string& name) {
   if (is_jpeg(bytes)) return decode_jpeg(bytes, min_side, name);
   if (is_png(bytes)) return decode_png(bytes, name);
   throw UsageError(ddpkit::detail::cat("not a JPEG or PNG image: ", name));
@@ -444,7 +476,8 @@ inline torch::Tensor decode_image_bytes(const std::vector<unsigned char>& bytes,
 
 /// Decodes a JPEG or PNG file (by content, not extension) to uint8 3×H×W.
 /// `min_side` asks for a scaled JPEG decode (see `decode_jpeg`).
-inline torch::Tensor decode_image(const std::filesystem::path& file, int64_t min_side = 0) {
+inline torch::Tensor decode_image(const std::filesystem::path& file,
+                                  int64_t min_side = 0) {
   return decode_image_bytes(read_file_bytes(file), min_side, file.string());
 }
 
@@ -467,7 +500,9 @@ class ImageBatch {
     /// `decode_min_side` for decoding to a tensor (see `decode_jpeg`).
     int64_t min_side = 0;
 
-    bool decoded() const { return image.defined(); }
+    bool decoded() const {
+      return image.defined();
+    }
     /// The uint8 3×H×W image (decoding the bytes if needed).
     torch::Tensor tensor() const {
       return decoded() ? image : decode_image_bytes(*bytes, min_side, name);
@@ -478,14 +513,23 @@ class ImageBatch {
   explicit ImageBatch(std::vector<Item> items) : items_(std::move(items)) {}
   /// Already decoded images.
   ImageBatch(const std::vector<torch::Tensor>& images) {  // NOLINT: implicit
-    for (const auto& im : images) items_.push_back({nullptr, "<tensor>", im, 0});
+    for (const auto& im : images)
+      items_.push_back({nullptr, "<tensor>", im, 0});
   }
 
-  std::size_t size() const { return items_.size(); }
-  bool empty() const { return items_.empty(); }
-  const std::vector<Item>& items() const { return items_; }
+  std::size_t size() const {
+    return items_.size();
+  }
+  bool empty() const {
+    return items_.empty();
+  }
+  const std::vector<Item>& items() const {
+    return items_;
+  }
   /// Image `i` as a uint8 3×H×W tensor (decoded on each call).
-  torch::Tensor operator[](std::size_t i) const { return items_.at(i).tensor(); }
+  torch::Tensor operator[](std::size_t i) const {
+    return items_.at(i).tensor();
+  }
   /// All images, decoded.
   std::vector<torch::Tensor> tensors() const {
     std::vector<torch::Tensor> out;
@@ -493,7 +537,9 @@ class ImageBatch {
     for (const auto& it : items_) out.push_back(it.tensor());
     return out;
   }
-  operator std::vector<torch::Tensor>() const { return tensors(); }  // NOLINT: implicit
+  operator std::vector<torch::Tensor>() const {
+    return tensors();
+  }  // NOLINT: implicit
 
  private:
   std::vector<Item> items_;
@@ -512,15 +558,17 @@ inline bool image_header_ok(const std::filesystem::path& file) {
   if (is_jpeg(bytes)) {
     tjhandle h = detail::thread_decompressor();
     int w, ht, s, c;
-    return tjDecompressHeader3(h, bytes.data(), static_cast<unsigned long>(bytes.size()),
-                               &w, &ht, &s, &c) == 0;
+    return tjDecompressHeader3(h, bytes.data(),
+                               static_cast<unsigned long>(bytes.size()), &w,
+                               &ht, &s, &c) == 0;
   }
 #endif
 #ifdef DDPKIT_HAS_PNG
   if (is_png(bytes)) {
     png_image img{};
     img.version = PNG_IMAGE_VERSION;
-    bool ok = png_image_begin_read_from_memory(&img, bytes.data(), bytes.size());
+    bool ok =
+        png_image_begin_read_from_memory(&img, bytes.data(), bytes.size());
     png_image_free(&img);
     return ok;
   }
@@ -529,16 +577,17 @@ inline bool image_header_ok(const std::filesystem::path& file) {
 }
 
 /// Encodes uint8 3×H×W RGB as a JPEG file (4:2:0, `quality` 1..100).
-inline void write_jpeg(const std::filesystem::path& file, const torch::Tensor& image,
-                       int quality = 90) {
+inline void write_jpeg(const std::filesystem::path& file,
+                       const torch::Tensor& image, int quality = 90) {
 #ifdef DDPKIT_HAS_TURBOJPEG
   auto hwc = image.to(torch::kUInt8).permute({1, 2, 0}).contiguous();
   tjhandle h = tjInitCompress();
   unsigned char* buf = nullptr;
   unsigned long size = 0;
-  int rc = tjCompress2(h, hwc.data_ptr<std::uint8_t>(), static_cast<int>(hwc.size(1)), 0,
-                       static_cast<int>(hwc.size(0)), TJPF_RGB, &buf, &size, TJSAMP_420,
-                       quality, 0);
+  int rc = tjCompress2(h, hwc.data_ptr<std::uint8_t>(),
+                       static_cast<int>(hwc.size(1)), 0,
+                       static_cast<int>(hwc.size(0)), TJPF_RGB, &buf, &size,
+                       TJSAMP_420, quality, 0);
   std::string err = rc != 0 ? tjGetErrorStr2(h) : "";
   tjDestroy(h);
   if (rc != 0) {
@@ -546,14 +595,18 @@ inline void write_jpeg(const std::filesystem::path& file, const torch::Tensor& i
     throw Error(ddpkit::detail::cat("write_jpeg: ", file.string(), ": ", err));
   }
   std::ofstream os(file, std::ios::binary);
-  os.write(reinterpret_cast<const char*>(buf), static_cast<std::streamsize>(size));
+  os.write(reinterpret_cast<const char*>(buf),
+           static_cast<std::streamsize>(size));
   tjFree(buf);
-  if (!os) throw UsageError(ddpkit::detail::cat("write_jpeg: cannot write ", file.string()));
+  if (!os)
+    throw UsageError(
+        ddpkit::detail::cat("write_jpeg: cannot write ", file.string()));
 #else
   (void)image;
   (void)quality;
-  throw UsageError(ddpkit::detail::cat("cannot write ", file.string(),
-                                       ": ddpkit was built without libjpeg-turbo"));
+  throw UsageError(
+      ddpkit::detail::cat("cannot write ", file.string(),
+                          ": ddpkit was built without libjpeg-turbo"));
 #endif
 }
 

@@ -41,8 +41,8 @@ struct JpegFolderOptions {
 ///     ddpkit::data::JpegFolderOptions().images_per_class(50));
 /// auto folder = ddpkit::data::read_image_folder("/tmp/flowers");
 /// ```
-inline std::vector<std::string> make_jpeg_folder(const std::filesystem::path& root,
-                                                 const JpegFolderOptions& opts = {}) {
+inline std::vector<std::string> make_jpeg_folder(
+    const std::filesystem::path& root, const JpegFolderOptions& opts = {}) {
   namespace fs = std::filesystem;
   const auto& classes = opts.classes();
   if (classes.empty() || classes.size() > 10) {
@@ -60,13 +60,15 @@ inline std::vector<std::string> make_jpeg_folder(const std::filesystem::path& ro
     if (c >= classes.size()) continue;
     fs::create_directories(root / classes[c]);
     const float aspect = rng.uniform(1.0f, 1.5f);
-    int64_t h = opts.short_side(), w = static_cast<int64_t>(opts.short_side() * aspect);
+    int64_t h = opts.short_side(),
+            w = static_cast<int64_t>(opts.short_side() * aspect);
     if (rng.uniform() < 0.5f) std::swap(h, w);
     auto img = resize_image(set.images[static_cast<int64_t>(i)], h, w)
                    .round_()
                    .clamp_(0, 255)
                    .to(torch::kUInt8);
-    write_jpeg(root / classes[c] / ddpkit::detail::cat(classes[c], "_", written[c]++, ".jpg"),
+    write_jpeg(root / classes[c] /
+                   ddpkit::detail::cat(classes[c], "_", written[c]++, ".jpg"),
                img, opts.quality());
   }
   return classes;

@@ -32,7 +32,8 @@ struct Batch {
 
 /// Options of `Loader`.
 struct LoaderOptions {
-  explicit LoaderOptions(std::size_t batch_size = 64) : batch_size_(batch_size) {}
+  explicit LoaderOptions(std::size_t batch_size = 64)
+      : batch_size_(batch_size) {}
   TORCH_ARG(std::size_t, batch_size);
   /// Worker threads; 0 makes each batch in `next()` on the calling thread.
   TORCH_ARG(int, workers) = 2;
@@ -101,13 +102,13 @@ template <class Dataset, class Transform>
 class Loader {
  public:
   Loader(Dataset dataset, Transform transform, LoaderOptions options)
-      : state_(std::make_shared<State>(State{std::move(dataset),
-                                             std::move(transform), options})) {
+      : state_(std::make_shared<State>(
+            State{std::move(dataset), std::move(transform), options})) {
     if (options.batch_size() == 0)
       throw UsageError("Loader: batch_size must be at least 1");
     if (options.workers() < 0)
-      throw UsageError(ddpkit::detail::cat("Loader: workers ", options.workers(),
-                                           " must be >= 0"));
+      throw UsageError(ddpkit::detail::cat("Loader: workers ",
+                                           options.workers(), " must be >= 0"));
   }
 
   /// Starts an epoch over `indices` (a sampler's `indices()`).
@@ -129,8 +130,12 @@ class Loader {
     return state_->make(indices, epoch, batch_index);
   }
 
-  const Dataset& dataset() const { return state_->dataset; }
-  const LoaderOptions& options() const { return state_->options; }
+  const Dataset& dataset() const {
+    return state_->dataset;
+  }
+  const LoaderOptions& options() const {
+    return state_->options;
+  }
 
  private:
   friend class LoaderEpoch<Dataset, Transform>;
@@ -144,9 +149,11 @@ class Loader {
       const auto bs = options.batch_size();
       const auto begin = b * bs;
       const auto end = std::min(indices.size(), begin + bs);
-      std::vector<std::size_t> idx(indices.begin() + begin, indices.begin() + end);
-      auto gen = make_generator(batch_seed(options.seed(), epoch,
-                                           static_cast<std::uint64_t>(options.rank()), b));
+      std::vector<std::size_t> idx(indices.begin() + begin,
+                                   indices.begin() + end);
+      auto gen = make_generator(
+          batch_seed(options.seed(), epoch,
+                     static_cast<std::uint64_t>(options.rank()), b));
       auto [images, labels] = dataset.get(idx);
       Batch out{transform(images, gen), labels};
 #ifdef DDPKIT_HAS_CUDA
@@ -166,8 +173,8 @@ class LoaderEpoch {
   using State = typename Loader<Dataset, Transform>::State;
 
  public:
-  LoaderEpoch(std::shared_ptr<const State> state, std::vector<std::size_t> indices,
-              std::size_t epoch)
+  LoaderEpoch(std::shared_ptr<const State> state,
+              std::vector<std::size_t> indices, std::size_t epoch)
       : shared_(std::make_unique<Shared>()) {
     auto& s = *shared_;
     s.state = std::move(state);
@@ -195,7 +202,9 @@ class LoaderEpoch {
   }
 
   /// Batches in this epoch.
-  std::size_t size() const { return shared_->num_batches; }
+  std::size_t size() const {
+    return shared_->num_batches;
+  }
 
   /// The next batch in order, or nothing at the end of the epoch. A worker's
   /// exception is rethrown here, on the consumer's thread.
@@ -220,22 +229,34 @@ class LoaderEpoch {
     using value_type = Batch;
     using difference_type = std::ptrdiff_t;
     iterator() = default;
-    explicit iterator(LoaderEpoch* e) : e_(e) { ++*this; }
-    Batch& operator*() { return *cur_; }
+    explicit iterator(LoaderEpoch* e) : e_(e) {
+      ++*this;
+    }
+    Batch& operator*() {
+      return *cur_;
+    }
     iterator& operator++() {
       cur_ = e_->next();
       if (!cur_) e_ = nullptr;
       return *this;
     }
-    void operator++(int) { ++*this; }
-    bool operator==(const iterator& o) const { return e_ == o.e_; }
+    void operator++(int) {
+      ++*this;
+    }
+    bool operator==(const iterator& o) const {
+      return e_ == o.e_;
+    }
 
    private:
     LoaderEpoch* e_ = nullptr;
     std::optional<Batch> cur_;
   };
-  iterator begin() { return iterator(this); }
-  iterator end() { return iterator(); }
+  iterator begin() {
+    return iterator(this);
+  }
+  iterator end() {
+    return iterator();
+  }
 
  private:
   struct Shared {

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include <torch/torch.h>
 #include <range/v3/algorithm/copy.hpp>
 #include <range/v3/range/conversion.hpp>
 #include <range/v3/view/concat.hpp>
@@ -18,7 +19,6 @@
 #include <range/v3/view/slice.hpp>
 #include <range/v3/view/stride.hpp>
 #include <range/v3/view/take.hpp>
-#include <torch/torch.h>
 
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/detail/error.hpp"
@@ -41,7 +41,8 @@ struct ShardSpec {
 namespace detail {
 
 /// A permutation of [0, n) equal to Python's
-/// `g = torch.Generator(); g.manual_seed(seed); torch.randperm(n, generator=g)`.
+/// `g = torch.Generator(); g.manual_seed(seed); torch.randperm(n,
+/// generator=g)`.
 inline std::vector<std::size_t> seeded_permutation(std::size_t n,
                                                    std::uint64_t seed) {
   auto gen = at::detail::createCPUGenerator(seed);
@@ -68,17 +69,23 @@ class IndexCursor {
   }
 
   /// Every index this sampler hands out in the current epoch, in order.
-  const std::vector<std::size_t>& indices() const { return indices_; }
+  const std::vector<std::size_t>& indices() const {
+    return indices_;
+  }
   /// How many indices one epoch yields on this rank.
-  std::size_t size() const { return indices_.size(); }
-  std::size_t position() const { return position_; }
+  std::size_t size() const {
+    return indices_.size();
+  }
+  std::size_t position() const {
+    return position_;
+  }
 
   void save(torch::serialize::OutputArchive& archive) const {
     archive.write("position",
                   torch::tensor(static_cast<int64_t>(position_), torch::kInt64),
                   /*is_buffer=*/true);
-    archive.write("epoch", torch::tensor(static_cast<int64_t>(epoch_),
-                                         torch::kInt64),
+    archive.write("epoch",
+                  torch::tensor(static_cast<int64_t>(epoch_), torch::kInt64),
                   true);
   }
 
@@ -94,7 +101,6 @@ class IndexCursor {
   }
 
  protected:
-
   std::vector<std::size_t> indices_;
   std::size_t position_ = 0;
   std::size_t epoch_ = 0;
@@ -113,10 +119,13 @@ class SequentialSampling : public detail::IndexCursor<SequentialSampling> {
   }
   void reset(c10::optional<std::size_t> new_size = c10::nullopt) {
     if (new_size) n_ = *new_size;
-    indices_ = ranges::views::iota(std::size_t{0}, n_) | ranges::to<std::vector>();
+    indices_ =
+        ranges::views::iota(std::size_t{0}, n_) | ranges::to<std::vector>();
     position_ = 0;
   }
-  void set_epoch(std::size_t epoch) { epoch_ = epoch; }
+  void set_epoch(std::size_t epoch) {
+    epoch_ = epoch;
+  }
 
  private:
   std::size_t n_;
@@ -176,16 +185,19 @@ class DistributedSampling : public detail::IndexCursor<DistributedSampling> {
                                DistributedSamplingOptions opts = {})
       : n_(size), spec_(spec), opts_(opts) {
     if (spec.world_size < 1 || spec.rank < 0 || spec.rank >= spec.world_size) {
-      throw UsageError(ddpkit::detail::cat(
-          "DistributedSampling: rank ", spec.rank, " is invalid for world size ",
-          spec.world_size, " (expected 0 <= rank < world_size)"));
+      throw UsageError(
+          ddpkit::detail::cat("DistributedSampling: rank ", spec.rank,
+                              " is invalid for world size ", spec.world_size,
+                              " (expected 0 <= rank < world_size)"));
     }
     reset();
   }
 
   /// Samples per rank in one epoch (the last rank may have one fewer in
   /// evaluation mode).
-  std::size_t num_samples() const { return indices_.size(); }
+  std::size_t num_samples() const {
+    return indices_.size();
+  }
   /// Samples over all ranks in one epoch, padding included.
   std::size_t total_size() const {
     if (opts_.evaluation()) return n_;
@@ -197,8 +209,9 @@ class DistributedSampling : public detail::IndexCursor<DistributedSampling> {
     namespace rv = ranges::views;
     if (new_size) n_ = *new_size;
     std::vector<std::size_t> all =
-        opts_.shuffle() ? detail::seeded_permutation(n_, spec_.seed + epoch_)
-                        : rv::iota(std::size_t{0}, n_) | ranges::to<std::vector>();
+        opts_.shuffle()
+            ? detail::seeded_permutation(n_, spec_.seed + epoch_)
+            : rv::iota(std::size_t{0}, n_) | ranges::to<std::vector>();
     const auto total = total_size();
     std::vector<std::size_t> sized;
     if (total <= all.size()) {
@@ -216,7 +229,9 @@ class DistributedSampling : public detail::IndexCursor<DistributedSampling> {
     epoch_ = epoch;
     reset();
   }
-  std::size_t epoch() const { return epoch_; }
+  std::size_t epoch() const {
+    return epoch_;
+  }
 
  private:
   std::size_t n_;

@@ -32,8 +32,12 @@ struct SplitMix {
     return z ^ (z >> 31);
   }
   /// Uniform in [0, 1).
-  float uniform() { return static_cast<float>(next() >> 40) * (1.0f / 16777216.0f); }
-  float uniform(float lo, float hi) { return lo + (hi - lo) * uniform(); }
+  float uniform() {
+    return static_cast<float>(next() >> 40) * (1.0f / 16777216.0f);
+  }
+  float uniform(float lo, float hi) {
+    return lo + (hi - lo) * uniform();
+  }
   /// Standard normal (Box–Muller; one value per call keeps it stateless).
   float normal() {
     float u1 = std::max(uniform(), 1e-7f), u2 = uniform();
@@ -62,15 +66,17 @@ inline bool synthetic_mask(int c, float x, float y, float freq) {
   switch (c) {
     case 0: return r < 0.85f;                                     // disc
     case 1: return std::max(std::fabs(x), std::fabs(y)) < 0.75f;  // square
-    case 2: return y < 0.7f && y > -0.8f &&
-                   std::fabs(x) < (y + 0.8f) * 0.55f;             // triangle
-    case 3: return std::sin(y * freq) > 0.0f;                     // h stripes
-    case 4: return std::sin(x * freq) > 0.0f;                     // v stripes
-    case 5: return std::sin(x * freq) * std::sin(y * freq) > 0;   // checker
-    case 6: return r < 0.9f && r > 0.55f;                         // ring
-    case 7: return (std::fabs(x) < 0.28f && std::fabs(y) < 0.9f) ||
-                   (std::fabs(y) < 0.28f && std::fabs(x) < 0.9f); // cross
-    case 8: return std::sin((x + y) * freq * 0.7f) > 0.0f;        // diagonal
+    case 2:
+      return y < 0.7f && y > -0.8f &&
+             std::fabs(x) < (y + 0.8f) * 0.55f;                  // triangle
+    case 3: return std::sin(y * freq) > 0.0f;                    // h stripes
+    case 4: return std::sin(x * freq) > 0.0f;                    // v stripes
+    case 5: return std::sin(x * freq) * std::sin(y * freq) > 0;  // checker
+    case 6: return r < 0.9f && r > 0.55f;                        // ring
+    case 7:
+      return (std::fabs(x) < 0.28f && std::fabs(y) < 0.9f) ||
+             (std::fabs(y) < 0.28f && std::fabs(x) < 0.9f);  // cross
+    case 8: return std::sin((x + y) * freq * 0.7f) > 0.0f;   // diagonal
     default: return std::sin(x * freq) * std::sin(y * freq) > 0.45f;  // dots
   }
 }
@@ -79,8 +85,8 @@ inline bool synthetic_mask(int c, float x, float y, float freq) {
 
 /// Names of the synthetic classes, in label order.
 inline std::vector<std::string> synthetic_classes() {
-  return {"disc",  "square", "triangle", "hstripes", "vstripes",
-          "checker", "ring", "cross",    "diagonal", "dots"};
+  return {"disc",    "square", "triangle", "hstripes", "vstripes",
+          "checker", "ring",   "cross",    "diagonal", "dots"};
 }
 
 /// Options of `make_synthetic`.
@@ -118,7 +124,8 @@ inline ImageTensors make_synthetic(const SyntheticOptions& opts) {
   int64_t* lab = out.labels.data_ptr<int64_t>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      detail::SplitMix rng{detail::mix_seed(opts.seed(), static_cast<std::uint64_t>(i))};
+      detail::SplitMix rng{
+          detail::mix_seed(opts.seed(), static_cast<std::uint64_t>(i))};
       const int c = static_cast<int>(i % 10);
       lab[i] = c;
       const float hue = c / 10.0f + rng.uniform(-0.07f, 0.07f);
@@ -126,7 +133,8 @@ inline ImageTensors make_synthetic(const SyntheticOptions& opts) {
                                    rng.uniform(0.6f, 1.0f));
       auto bg = detail::hsv_to_rgb(rng.uniform(), rng.uniform(0.0f, 0.4f),
                                    rng.uniform(0.05f, 0.45f));
-      const float cx = rng.uniform(-0.25f, 0.25f), cy = rng.uniform(-0.25f, 0.25f);
+      const float cx = rng.uniform(-0.25f, 0.25f),
+                  cy = rng.uniform(-0.25f, 0.25f);
       const float scale = rng.uniform(0.55f, 0.95f);
       const bool texture = c == 3 || c == 4 || c == 5 || c == 8 || c == 9;
       const float angle = texture ? 0.0f : rng.uniform(-0.5f, 0.5f);
@@ -163,8 +171,9 @@ inline void write_cifar_binary(const std::filesystem::path& dir,
   fs::create_directories(dir);
   auto write = [](const fs::path& file, const ImageTensors& set, int64_t begin,
                   int64_t end) {
-    if (set.size() > 0 && (set.images.size(1) != 3 || set.images.size(2) != 32 ||
-                           set.images.size(3) != 32)) {
+    if (set.size() > 0 &&
+        (set.images.size(1) != 3 || set.images.size(2) != 32 ||
+         set.images.size(3) != 32)) {
       throw UsageError(ddpkit::detail::cat(
           "write_cifar_binary: images must be N×3×32×32, got ",
           set.images.sizes()));
@@ -177,8 +186,10 @@ inline void write_cifar_binary(const std::filesystem::path& dir,
     if (end <= begin) return;
     auto images = set.images.narrow(0, begin, end - begin).contiguous();
     auto labels = set.labels.narrow(0, begin, end - begin).to(torch::kUInt8);
-    auto rec = torch::cat({labels.unsqueeze(1), images.reshape({end - begin, 3072})}, 1)
-                   .contiguous();
+    auto rec =
+        torch::cat({labels.unsqueeze(1), images.reshape({end - begin, 3072})},
+                   1)
+            .contiguous();
     os.write(reinterpret_cast<const char*>(rec.data_ptr<std::uint8_t>()),
              rec.numel());
   };
@@ -189,7 +200,8 @@ inline void write_cifar_binary(const std::filesystem::path& dir,
   }
   write(dir / "test_batch.bin", test, 0, static_cast<int64_t>(test.size()));
   std::ofstream meta(dir / "batches.meta.txt");
-  for (const auto& name : train.classes.empty() ? cifar10_classes() : train.classes)
+  for (const auto& name :
+       train.classes.empty() ? cifar10_classes() : train.classes)
     meta << name << "\n";
 }
 

@@ -60,9 +60,9 @@ inline torch::Tensor normalize(const torch::Tensor& batch, const Rgb& mean,
 /// offset in the zero-padded image and a flip bit, drawn as three tensors;
 /// the copy is a plain row loop (no padded copy, no index tensor), which is
 /// several times faster than a gather.
-inline torch::Tensor random_crop_flip(const torch::Tensor& batch,
-                                      int64_t size, int64_t padding,
-                                      double flip_p, torch::Generator& gen) {
+inline torch::Tensor random_crop_flip(const torch::Tensor& batch, int64_t size,
+                                      int64_t padding, double flip_p,
+                                      torch::Generator& gen) {
   const auto n = batch.size(0), c = batch.size(1);
   const auto h = batch.size(2), w = batch.size(3);
   const auto hp = h + 2 * padding, wp = w + 2 * padding;
@@ -177,12 +177,13 @@ inline std::pair<torch::Tensor, torch::Tensor> jitter_affine(
     auto Ms = S.bmm(M), ts = S.bmm(t.unsqueeze(2)).squeeze(2);
     auto Mh = H.bmm(M), th = H.bmm(t.unsqueeze(2)).squeeze(2);
     auto sel = [&](int j) { return (op == j); };
-    M = torch::where(sel(0).view({n, 1, 1}), Mb,
+    M = torch::where(
+        sel(0).view({n, 1, 1}), Mb,
         torch::where(sel(1).view({n, 1, 1}), Mc,
-        torch::where(sel(2).view({n, 1, 1}), Ms, Mh)));
+                     torch::where(sel(2).view({n, 1, 1}), Ms, Mh)));
     t = torch::where(sel(0).view({n, 1}), tb,
-        torch::where(sel(1).view({n, 1}), tc,
-        torch::where(sel(2).view({n, 1}), ts, th)));
+                     torch::where(sel(1).view({n, 1}), tc,
+                                  torch::where(sel(2).view({n, 1}), ts, th)));
   }
   return {M, t};
 }
@@ -252,7 +253,8 @@ struct CifarEval {
   Rgb mean = kCifarMean;
   Rgb std = kCifarStd;
 
-  torch::Tensor operator()(const torch::Tensor& batch, torch::Generator&) const {
+  torch::Tensor operator()(const torch::Tensor& batch,
+                           torch::Generator&) const {
     return normalize(batch, mean, std);
   }
   torch::Tensor operator()(const std::vector<torch::Tensor>& images,
@@ -281,8 +283,10 @@ inline CropBox random_resized_crop_box(int64_t height, int64_t width,
     auto w = static_cast<int64_t>(std::lround(std::sqrt(target * aspect)));
     auto h = static_cast<int64_t>(std::lround(std::sqrt(target / aspect)));
     if (w > 0 && w <= width && h > 0 && h <= height) {
-      auto i = std::min<int64_t>(height - h, static_cast<int64_t>(u[2] * (height - h + 1)));
-      auto j = std::min<int64_t>(width - w, static_cast<int64_t>(u[3] * (width - w + 1)));
+      auto i = std::min<int64_t>(height - h,
+                                 static_cast<int64_t>(u[2] * (height - h + 1)));
+      auto j = std::min<int64_t>(width - w,
+                                 static_cast<int64_t>(u[3] * (width - w + 1)));
       return {i, j, h, w};
     }
   }
@@ -330,21 +334,23 @@ struct Taps {
 /// crop followed by a resize, as torchvision's `resized_crop` does. Every
 /// output gets the same number of taps (zero-padded, the window moved
 /// inside the edges), which keeps the inner loops branch-free.
-inline void bilinear_taps(double box0, double len, int64_t in_size, int64_t out_size,
-                          bool clip, Taps& t) {
+inline void bilinear_taps(double box0, double len, int64_t in_size,
+                          int64_t out_size, bool clip, Taps& t) {
   const double scale = len / static_cast<double>(out_size);
   const double support = std::max(scale, 1.0);  // bilinear support 1, widened
   const double inv = 1.0 / support;
   int64_t lo = 0, hi = in_size;
   if (clip) {
-    lo = std::clamp<int64_t>(static_cast<int64_t>(std::floor(box0 + 1e-6)), 0, in_size - 1);
-    hi = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(box0 + len - 1e-6)), lo + 1,
-                             in_size);
+    lo = std::clamp<int64_t>(static_cast<int64_t>(std::floor(box0 + 1e-6)), 0,
+                             in_size - 1);
+    hi = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(box0 + len - 1e-6)),
+                             lo + 1, in_size);
   }
   // Relative to `lo` so that the truncating casts match PIL's (which works
   // on the cropped image) for integer boxes.
   auto window = [&](int64_t o, int64_t& xmin, int64_t& xmax, double& center) {
-    const double c = box0 - static_cast<double>(lo) + (static_cast<double>(o) + 0.5) * scale;
+    const double c =
+        box0 - static_cast<double>(lo) + (static_cast<double>(o) + 0.5) * scale;
     xmin = std::max<int64_t>(static_cast<int64_t>(c - support + 0.5), 0) + lo;
     xmax = std::min<int64_t>(static_cast<int64_t>(c + support + 0.5) + lo, hi);
     center = c + static_cast<double>(lo);
@@ -379,7 +385,9 @@ inline void bilinear_taps(double box0, double len, int64_t in_size, int64_t out_
     float* w = t.w.data() + o * k;
     for (int64_t j = 0; j < n && xmin - st + j < k; ++j) {
       w[xmin - st + j] =
-          total > 0.0 ? static_cast<float>(ws[static_cast<std::size_t>(j)] / total) : 0.0f;
+          total > 0.0
+              ? static_cast<float>(ws[static_cast<std::size_t>(j)] / total)
+              : 0.0f;
     }
   }
 }
@@ -389,16 +397,19 @@ inline void bilinear_taps(double box0, double len, int64_t in_size, int64_t out_
 /// time): `r[j] = sum_t wts[t] * rows[t][j]` for j below a multiple of 16,
 /// which it returns.
 __attribute__((target("avx2,fma"))) inline int64_t vertical_pass_avx2(
-    const std::uint8_t* const* rows, const float* wts, int64_t taps, int64_t n, float* r) {
+    const std::uint8_t* const* rows, const float* wts, int64_t taps, int64_t n,
+    float* r) {
   const int64_t n16 = n & ~int64_t{15};
   for (int64_t j = 0; j < n16; j += 16) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0;
     for (int64_t t = 0; t < taps; ++t) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t] + j));
+      const __m128i q =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t] + j));
       const __m256 wt = _mm256_set1_ps(wts[t]);
       a0 = _mm256_fmadd_ps(wt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), a0);
-      a1 = _mm256_fmadd_ps(wt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))),
-                           a1);
+      a1 = _mm256_fmadd_ps(
+          wt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))),
+          a1);
     }
     _mm256_storeu_ps(r + j, a0);
     _mm256_storeu_ps(r + j + 8, a1);
@@ -410,9 +421,9 @@ __attribute__((target("avx2,fma"))) inline int64_t vertical_pass_avx2(
 /// pixels (RGB_ each) per vector; `w2` holds per pixel pair and tap the
 /// two weights, each repeated 4 times. Handles pixels below out_w & ~1.
 __attribute__((target("avx2,fma"))) inline void horizontal_pass_avx2(
-    const float* r, const int64_t* start, int64_t c0, const float* w2, int64_t kh,
-    int64_t out_w, const float* a4, const float* b4, bool flip, float* o0, float* o1,
-    float* o2) {
+    const float* r, const int64_t* start, int64_t c0, const float* w2,
+    int64_t kh, int64_t out_w, const float* a4, const float* b4, bool flip,
+    float* o0, float* o1, float* o2) {
   const __m256 a = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a4));
   const __m256 b = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(b4));
   alignas(32) float v[8];
@@ -422,8 +433,9 @@ __attribute__((target("avx2,fma"))) inline void horizontal_pass_avx2(
     const float* w = w2 + (ox / 2) * kh * 8;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t k = 0; k < kh; ++k) {
-      const __m256 px = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(pa + 3 * k)),
-                                             _mm_loadu_ps(pb + 3 * k), 1);
+      const __m256 px =
+          _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(pa + 3 * k)),
+                               _mm_loadu_ps(pb + 3 * k), 1);
       acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * k), px, acc);
     }
     _mm256_store_ps(v, _mm256_fmadd_ps(acc, a, b));
@@ -441,7 +453,8 @@ __attribute__((target("avx2,fma"))) inline void horizontal_pass_avx2(
 /// Whether to take the AVX2 + FMA paths: the CPU has them and
 /// DDPKIT_NO_AVX2 is not set (to test or compare the SSE2 path).
 inline bool cpu_has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+  static const bool yes = __builtin_cpu_supports("avx2") &&
+                          __builtin_cpu_supports("fma") &&
                           std::getenv("DDPKIT_NO_AVX2") == nullptr;
   return yes;
 }
@@ -461,9 +474,10 @@ inline bool cpu_has_avx2_fma() {
 /// a float row, contiguous and vectorised) and one horizontal pass (4-wide
 /// RGB_ vectors) per output row; normalise and flip ride on the last store,
 /// so the image is touched once and nothing else is allocated.
-inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in_w,
-                               int64_t stride, double y0, double x0, double box_h,
-                               double box_w, int64_t out_h, int64_t out_w, bool flip,
+inline void resample_normalize(const std::uint8_t* src, int64_t in_h,
+                               int64_t in_w, int64_t stride, double y0,
+                               double x0, double box_h, double box_w,
+                               int64_t out_h, int64_t out_w, bool flip,
                                const Rgb& mean, const Rgb& std, float* out,
                                bool clip = true) {
   typedef float v4 __attribute__((vector_size(16)));
@@ -478,8 +492,8 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
   wts.resize(static_cast<std::size_t>(tv.k));
   rows.resize(static_cast<std::size_t>(tv.k));
   float* r = row.data();
-  const v4 a{1.0f / (255.0f * std[0]), 1.0f / (255.0f * std[1]), 1.0f / (255.0f * std[2]),
-             0.0f};
+  const v4 a{1.0f / (255.0f * std[0]), 1.0f / (255.0f * std[1]),
+             1.0f / (255.0f * std[2]), 0.0f};
   const v4 b{-mean[0] / std[0], -mean[1] / std[1], -mean[2] / std[2], 0.0f};
   const int64_t plane = out_h * out_w, kh = th.k, kv = tv.k;
 #ifdef DDPKIT_RESAMPLE_AVX2
@@ -496,12 +510,14 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
       }
     }
   }
-  const float a4[4] = {a[0], a[1], a[2], a[3]}, b4[4] = {b[0], b[1], b[2], b[3]};
+  const float a4[4] = {a[0], a[1], a[2], a[3]},
+              b4[4] = {b[0], b[1], b[2], b[3]};
 #endif
   for (int64_t oy = 0; oy < out_h; ++oy) {
     // Vertical: r = sum_k wv[k] * source row (start + k), columns c0..c1.
     const float* wv = tv.w.data() + oy * kv;
-    const std::uint8_t* base = src + tv.start[static_cast<std::size_t>(oy)] * stride + c0 * 3;
+    const std::uint8_t* base =
+        src + tv.start[static_cast<std::size_t>(oy)] * stride + c0 * 3;
     int64_t taps = 0;
     for (int64_t k = 0; k < kv; ++k) {
       if (wv[k] == 0.0f) continue;
@@ -510,7 +526,8 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
     }
     int64_t done = 0;
 #ifdef DDPKIT_RESAMPLE_AVX2
-    if (avx2) done = detail::vertical_pass_avx2(rows.data(), wts.data(), taps, n, r);
+    if (avx2)
+      done = detail::vertical_pass_avx2(rows.data(), wts.data(), taps, n, r);
 #endif
 #ifdef __SSE2__
     // 16 bytes per step: widened to four float vectors, every tap summed
@@ -520,14 +537,19 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
     for (int64_t j = done; j < n4; j += 16) {
       __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t t = 0; t < taps; ++t) {
-        const __m128i q = _mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(rows[static_cast<std::size_t>(t)] + j));
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            rows[static_cast<std::size_t>(t)] + j));
         const __m128 wt = _mm_set1_ps(wts[static_cast<std::size_t>(t)]);
-        const __m128i lo = _mm_unpacklo_epi8(q, zero), hi = _mm_unpackhi_epi8(q, zero);
-        a0 = _mm_add_ps(a0, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpacklo_epi16(lo, zero))));
-        a1 = _mm_add_ps(a1, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpackhi_epi16(lo, zero))));
-        a2 = _mm_add_ps(a2, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpacklo_epi16(hi, zero))));
-        a3 = _mm_add_ps(a3, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpackhi_epi16(hi, zero))));
+        const __m128i lo = _mm_unpacklo_epi8(q, zero),
+                      hi = _mm_unpackhi_epi8(q, zero);
+        a0 = _mm_add_ps(
+            a0, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpacklo_epi16(lo, zero))));
+        a1 = _mm_add_ps(
+            a1, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpackhi_epi16(lo, zero))));
+        a2 = _mm_add_ps(
+            a2, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpacklo_epi16(hi, zero))));
+        a3 = _mm_add_ps(
+            a3, _mm_mul_ps(wt, _mm_cvtepi32_ps(_mm_unpackhi_epi16(hi, zero))));
       }
       _mm_storeu_ps(r + j, a0);
       _mm_storeu_ps(r + j + 4, a1);
@@ -540,7 +562,8 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
     for (int64_t j = n4; j < n; ++j) {
       float acc = 0.0f;
       for (int64_t t = 0; t < taps; ++t) {
-        acc += wts[static_cast<std::size_t>(t)] * rows[static_cast<std::size_t>(t)][j];
+        acc += wts[static_cast<std::size_t>(t)] *
+               rows[static_cast<std::size_t>(t)][j];
       }
       r[j] = acc;
     }
@@ -551,8 +574,8 @@ inline void resample_normalize(const std::uint8_t* src, int64_t in_h, int64_t in
     int64_t ox0 = 0;
 #ifdef DDPKIT_RESAMPLE_AVX2
     if (avx2) {
-      detail::horizontal_pass_avx2(r, th.start.data(), c0, w2.data(), kh, out_w, a4, b4, flip,
-                                   o0, o1, o2);
+      detail::horizontal_pass_avx2(r, th.start.data(), c0, w2.data(), kh, out_w,
+                                   a4, b4, flip, o0, o1, o2);
       ox0 = out_w & ~int64_t{1};
     }
 #endif
@@ -593,7 +616,9 @@ struct HwcImage {
   torch::Tensor keep;  // owns `data` when it comes from a tensor
   int64_t top = 0, left = 0;
   int64_t stride = 0;  // bytes per row; 0: width * 3
-  int64_t row_bytes() const { return stride ? stride : width * 3; }
+  int64_t row_bytes() const {
+    return stride ? stride : width * 3;
+  }
 };
 
 /// The original size of an item (header only for undecoded JPEGs).
@@ -625,16 +650,22 @@ inline HwcImage item_pixels(const ImageBatch::Item& it, const ImageSize& size,
   }
   JpegDecodeOptions o;
   o.fast = fast;
-  o.scale_num = jpeg_scale_for(static_cast<int64_t>(min_side), static_cast<int64_t>(min_side),
-                               out_side);
+  o.scale_num = jpeg_scale_for(static_cast<int64_t>(min_side),
+                               static_cast<int64_t>(min_side), out_side);
   JpegBlock block;
   if (region && decode_jpeg_region(*it.bytes, static_cast<double>(region->top),
                                    static_cast<double>(region->left),
                                    static_cast<double>(region->height),
-                                   static_cast<double>(region->width), buf, block, o,
-                                   it.name)) {
-    return {buf.data() + block.offset, block.height, block.width, o.scale_num / 8.0, {},
-            block.top, block.left, block.stride};
+                                   static_cast<double>(region->width), buf,
+                                   block, o, it.name)) {
+    return {buf.data() + block.offset,
+            block.height,
+            block.width,
+            o.scale_num / 8.0,
+            {},
+            block.top,
+            block.left,
+            block.stride};
   }
   const auto s = decode_jpeg_hwc(*it.bytes, buf, o, it.name);
   return {buf.data(), s.height, s.width, o.scale_num / 8.0, {}};
@@ -664,8 +695,8 @@ namespace detail {
 
 /// `(x / 255 - mean) / std` of one float 3×H×W image in 0..255 units
 /// (possibly flipped) into `dst`: the path for non-uint8 inputs.
-inline void store_normalized(torch::Tensor img, bool flip, const Rgb& mean, const Rgb& std,
-                             float* dst) {
+inline void store_normalized(torch::Tensor img, bool flip, const Rgb& mean,
+                             const Rgb& std, float* dst) {
   if (flip) img = img.flip(2);
   auto t = torch::from_blob(dst, img.sizes(), torch::kFloat);
   t.copy_(img.div(255.0f)
@@ -688,14 +719,16 @@ inline void store_normalized(torch::Tensor img, bool flip, const Rgb& mean, cons
 ///
 /// Example:
 /// ```
-/// ddpkit::data::ImageNetTrain aug{ddpkit::data::ImageNetTrainOptions().size(224)};
-/// auto gen = ddpkit::data::make_generator(0);
-/// torch::Tensor x = aug(images, gen);  // N×3×224×224
+/// ddpkit::data::ImageNetTrain
+/// aug{ddpkit::data::ImageNetTrainOptions().size(224)}; auto gen =
+/// ddpkit::data::make_generator(0); torch::Tensor x = aug(images, gen);  //
+/// N×3×224×224
 /// ```
 struct ImageNetTrain {
   ImageNetTrainOptions options{};
 
-  torch::Tensor operator()(const ImageBatch& images, torch::Generator& gen) const {
+  torch::Tensor operator()(const ImageBatch& images,
+                           torch::Generator& gen) const {
     const auto& o = options;
     const auto n = static_cast<int64_t>(images.size());
     const int64_t S = o.size();
@@ -711,11 +744,13 @@ struct ImageNetTrain {
       float* dst = po + k * 3 * S * S;
       detail::HwcImage pre;
       const auto size = detail::item_size(it, buf, pre);
-      const auto box = random_resized_crop_box(size.height, size.width, o.scale(), o.ratio(),
-                                               pu + k * 40);
+      const auto box = random_resized_crop_box(
+          size.height, size.width, o.scale(), o.ratio(), pu + k * 40);
       if (it.decoded() && it.image.scalar_type() != torch::kUInt8) {
-        auto crop = it.image.narrow(1, box.top, box.height).narrow(2, box.left, box.width);
-        detail::store_normalized(resize_image(crop, S, S), pf[k], o.mean(), o.std(), dst);
+        auto crop = it.image.narrow(1, box.top, box.height)
+                        .narrow(2, box.left, box.width);
+        detail::store_normalized(resize_image(crop, S, S), pf[k], o.mean(),
+                                 o.std(), dst);
         continue;
       }
       const auto px = detail::item_pixels(
@@ -723,8 +758,9 @@ struct ImageNetTrain {
           static_cast<double>(S), o.fast_decode(), buf, pre, &box);
       const double s = px.scale;
       resample_normalize(px.data, px.height, px.width, px.row_bytes(),
-                         box.top * s - px.top, box.left * s - px.left, box.height * s,
-                         box.width * s, S, S, pf[k], o.mean(), o.std(), dst);
+                         box.top * s - px.top, box.left * s - px.left,
+                         box.height * s, box.width * s, S, S, pf[k], o.mean(),
+                         o.std(), dst);
     }
     return out;
   }
@@ -735,7 +771,8 @@ struct ImageNetTrain {
   torch::Tensor operator()(const torch::Tensor& batch,
                            torch::Generator& gen) const {
     auto v = batch.unbind(0);
-    return (*this)(ImageBatch(std::vector<torch::Tensor>(v.begin(), v.end())), gen);
+    return (*this)(ImageBatch(std::vector<torch::Tensor>(v.begin(), v.end())),
+                   gen);
   }
 };
 
@@ -768,17 +805,21 @@ struct ImageNetEval {
       const auto top = static_cast<int64_t>(std::lround((oh - size) / 2.0));
       const auto left = static_cast<int64_t>(std::lround((ow - size) / 2.0));
       if (it.decoded() && it.image.scalar_type() != torch::kUInt8) {
-        auto r = resize_image(it.image, oh, ow).narrow(1, top, size).narrow(2, left, size);
+        auto r = resize_image(it.image, oh, ow)
+                     .narrow(1, top, size)
+                     .narrow(2, left, size);
         detail::store_normalized(r, false, mean, std, dst);
         continue;
       }
-      const auto px = detail::item_pixels(it, sz, static_cast<double>(std::min(h, w)),
-                                          static_cast<double>(resize), fast_decode, buf, pre);
+      const auto px = detail::item_pixels(
+          it, sz, static_cast<double>(std::min(h, w)),
+          static_cast<double>(resize), fast_decode, buf, pre);
       // The window [top, top + size) of the resized image, in source pixels.
       const double fy = static_cast<double>(h) / oh * px.scale;
       const double fx = static_cast<double>(w) / ow * px.scale;
-      resample_normalize(px.data, px.height, px.width, px.row_bytes(), top * fy, left * fx,
-                         size * fy, size * fx, size, size, false, mean, std, dst,
+      resample_normalize(px.data, px.height, px.width, px.row_bytes(), top * fy,
+                         left * fx, size * fy, size * fx, size, size, false,
+                         mean, std, dst,
                          /*clip=*/false);
     }
     return out;
@@ -790,7 +831,8 @@ struct ImageNetEval {
   torch::Tensor operator()(const torch::Tensor& batch,
                            torch::Generator& gen) const {
     auto v = batch.unbind(0);
-    return (*this)(ImageBatch(std::vector<torch::Tensor>(v.begin(), v.end())), gen);
+    return (*this)(ImageBatch(std::vector<torch::Tensor>(v.begin(), v.end())),
+                   gen);
   }
 };
 

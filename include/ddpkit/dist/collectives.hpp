@@ -40,8 +40,8 @@ inline c10d::ReduceOp to_c10d(Reduce r) {
 
 inline void check_dense(const torch::Tensor& t, const char* what) {
   if (!t.defined() || !t.is_contiguous()) {
-    throw Error(ddpkit::detail::cat(what,
-                                    " needs a defined, contiguous tensor"));
+    throw Error(
+        ddpkit::detail::cat(what, " needs a defined, contiguous tensor"));
   }
 }
 
@@ -71,12 +71,13 @@ inline torch::Tensor& all_reduce(const Group& g, torch::Tensor& t,
 /// All-reduce of one arithmetic value (computed in double, or int64 for
 /// integers, so counts stay exact).
 template <class T>
-  requires std::is_arithmetic_v<T>
-T all_reduce_value(const Group& g, T value, Reduce op = Reduce::sum) {
+requires std::is_arithmetic_v<T> T all_reduce_value(const Group& g, T value,
+                                                    Reduce op = Reduce::sum) {
   if (g.size() == 1) return value;
   auto dtype = std::is_integral_v<T> ? torch::kInt64 : torch::kFloat64;
-  torch::Tensor t = torch::full({1}, static_cast<double>(value),
-                       torch::TensorOptions().dtype(dtype).device(g.device()));
+  torch::Tensor t =
+      torch::full({1}, static_cast<double>(value),
+                  torch::TensorOptions().dtype(dtype).device(g.device()));
   if constexpr (std::is_integral_v<T>) {
     t.fill_(static_cast<int64_t>(value));
   }
@@ -105,9 +106,10 @@ inline std::vector<torch::Tensor> all_gather(const Group& g,
 
 /// All-gather of one arithmetic value per rank, in rank order.
 template <class T>
-  requires std::is_arithmetic_v<T>
-std::vector<T> all_gather_value(const Group& g, T value) {
-  torch::Tensor t = torch::tensor({static_cast<double>(value)}, torch::kFloat64);
+requires std::is_arithmetic_v<T> std::vector<T> all_gather_value(const Group& g,
+                                                                 T value) {
+  torch::Tensor t =
+      torch::tensor({static_cast<double>(value)}, torch::kFloat64);
   if constexpr (std::is_integral_v<T>) {
     t = torch::tensor({static_cast<int64_t>(value)}, torch::kInt64);
   }
@@ -124,8 +126,7 @@ std::vector<T> all_gather_value(const Group& g, T value) {
 }
 
 /// In-place broadcast of `t` from rank `src` to all ranks.
-inline torch::Tensor& broadcast(const Group& g, torch::Tensor& t,
-                                int src = 0) {
+inline torch::Tensor& broadcast(const Group& g, torch::Tensor& t, int src = 0) {
   detail::check_dense(t, "broadcast");
   if (src < 0 || src >= g.size()) {
     throw Error(ddpkit::detail::cat("broadcast from rank ", src,
@@ -141,10 +142,12 @@ inline torch::Tensor& broadcast(const Group& g, torch::Tensor& t,
 
 /// Broadcast of a trivially copyable value (a number or a small struct).
 template <class T>
-  requires std::is_trivially_copyable_v<T>
-T broadcast_value(const Group& g, const T& value, int src = 0) {
+requires std::is_trivially_copyable_v<T> T broadcast_value(const Group& g,
+                                                           const T& value,
+                                                           int src = 0) {
   if (g.size() == 1) return value;
-  torch::Tensor t = torch::empty({static_cast<int64_t>(sizeof(T))}, torch::kUInt8);
+  torch::Tensor t =
+      torch::empty({static_cast<int64_t>(sizeof(T))}, torch::kUInt8);
   std::memcpy(t.data_ptr(), &value, sizeof(T));
   t = t.to(g.device());
   broadcast(g, t, src);
@@ -175,7 +178,8 @@ inline void barrier(const Group& g) {
   if (g.size() == 1) return;
   // gloo's barrier is an all-reduce of nothing; one of a single byte has the
   // same effect and the same failure reporting on every backend.
-  auto t = torch::zeros({1}, torch::TensorOptions(torch::kUInt8).device(g.device()));
+  auto t =
+      torch::zeros({1}, torch::TensorOptions(torch::kUInt8).device(g.device()));
   all_reduce(g, t);
 }
 

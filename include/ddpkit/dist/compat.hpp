@@ -108,8 +108,14 @@ inline BackendPtr make_nccl(const StorePtr& store, int rank, int size,
 #endif
 
 /// Sum is the only reduction every backend has; mean divides afterwards.
-inline c10d::ReduceOp reduce_sum() { return c10d::ReduceOp::SUM; }
-inline c10d::ReduceOp reduce_max() { return c10d::ReduceOp::MAX; }
-inline c10d::ReduceOp reduce_min() { return c10d::ReduceOp::MIN; }
+inline c10d::ReduceOp reduce_sum() {
+  return c10d::ReduceOp::SUM;
+}
+inline c10d::ReduceOp reduce_max() {
+  return c10d::ReduceOp::MAX;
+}
+inline c10d::ReduceOp reduce_min() {
+  return c10d::ReduceOp::MIN;
+}
 
 }  // namespace ddpkit::dist::compat

@@ -39,8 +39,12 @@ struct DistEnv {
   int master_port = 29500;
   LaunchSource source = LaunchSource::single;
 
-  bool is_distributed() const { return world_size > 1; }
-  bool is_main() const { return rank == 0; }
+  bool is_distributed() const {
+    return world_size > 1;
+  }
+  bool is_main() const {
+    return rank == 0;
+  }
 };
 
 /// Looks a variable up; tests pass a table instead of the real environment.
@@ -68,9 +72,9 @@ inline int parse_int(std::string_view name, const std::string& value,
         "' is not an integer (expected a whole number >= ", min_value, ")"));
   }
   if (out < min_value) {
-    throw UsageError(ddpkit::detail::cat("environment variable ", name, "=",
-                                         value, " is out of range (expected >= ",
-                                         min_value, ")"));
+    throw UsageError(
+        ddpkit::detail::cat("environment variable ", name, "=", value,
+                            " is out of range (expected >= ", min_value, ")"));
   }
   return out;
 }
@@ -174,8 +178,9 @@ inline DistEnv read_env(const EnvLookup& env = process_environment()) {
   }
   if (auto addr = get("MASTER_ADDR")) {
     if (addr->empty()) {
-      throw UsageError("environment variable MASTER_ADDR is empty (expected a "
-                       "host name or IP address of rank 0)");
+      throw UsageError(
+          "environment variable MASTER_ADDR is empty (expected a "
+          "host name or IP address of rank 0)");
     }
     e.master_addr = *addr;
   } else if (auto node = get("SLURM_LAUNCH_NODE_IPADDR");
@@ -211,11 +216,11 @@ inline DistEnv explicit_env(int rank, int world_size, std::string master_addr,
                                          " is invalid (expected >= 1)"));
   }
   if (rank < 0) {
-    throw UsageError(ddpkit::detail::cat("rank ", rank,
-                                         " is invalid (expected >= 0)"));
+    throw UsageError(
+        ddpkit::detail::cat("rank ", rank, " is invalid (expected >= 0)"));
   }
-  detail::check_consistent(e, {"rank", "local rank", "world size",
-                               "local world size"});
+  detail::check_consistent(
+      e, {"rank", "local rank", "world size", "local world size"});
   return e;
 }
 

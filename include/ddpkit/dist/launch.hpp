@@ -68,8 +68,10 @@ int launch(int argc, char** argv, int world_size, Fn&& fn,
     DistEnv env = read_env();
     if (world_size > 1 && env.world_size != world_size) {
       throw UsageError(ddpkit::detail::cat(
-          "--world-size ", world_size, " disagrees with the launcher's world "
-          "size ", env.world_size, " (", to_string(env.source), ")"));
+          "--world-size ", world_size,
+          " disagrees with the launcher's world "
+          "size ",
+          env.world_size, " (", to_string(env.source), ")"));
     }
     rank = env.rank;
     if (env.rank != 0 && !std::getenv("DDPKIT_ALL_RANKS_PRINT")) {

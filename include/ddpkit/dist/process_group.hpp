@@ -29,11 +29,11 @@ struct GroupOptions {
   TORCH_ARG(std::string, init_method) = "env://";
   TORCH_ARG(BackendKind, backend) = BackendKind::automatic;
   /// How long rank 0 waits for every rank to join, and clients to connect.
-  TORCH_ARG(std::chrono::milliseconds, rendezvous_timeout) =
-      std::chrono::seconds(300);
+  TORCH_ARG(std::chrono::milliseconds,
+            rendezvous_timeout) = std::chrono::seconds(300);
   /// How long one collective may take before it fails (gloo/NCCL timeout).
-  TORCH_ARG(std::chrono::milliseconds, collective_timeout) =
-      std::chrono::seconds(300);
+  TORCH_ARG(std::chrono::milliseconds,
+            collective_timeout) = std::chrono::seconds(300);
   /// Where gloo binds. Empty: `GLOO_SOCKET_IFNAME` if set, loopback when the
   /// master is on loopback, else this host's name.
   TORCH_ARG(std::string, bind_address) = "";
@@ -70,9 +70,9 @@ inline std::chrono::milliseconds env_timeout(const char* name,
       secs = -1;
     }
     if (!(secs > 0)) {
-      throw UsageError(ddpkit::detail::cat("environment variable ", name, "='",
-                                           v,
-                                           "' is not a positive number of seconds"));
+      throw UsageError(
+          ddpkit::detail::cat("environment variable ", name, "='", v,
+                              "' is not a positive number of seconds"));
     }
     return std::chrono::milliseconds(static_cast<long long>(secs * 1000));
   }
@@ -118,19 +118,37 @@ class Group {
     return g;
   }
 
-  int rank() const { return env_.rank; }
-  int size() const { return env_.world_size; }
-  int local_rank() const { return env_.local_rank; }
-  bool is_main() const { return env_.rank == 0; }
-  const DistEnv& env() const { return env_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
+  int rank() const {
+    return env_.rank;
+  }
+  int size() const {
+    return env_.world_size;
+  }
+  int local_rank() const {
+    return env_.local_rank;
+  }
+  bool is_main() const {
+    return env_.rank == 0;
+  }
+  const DistEnv& env() const {
+    return env_;
+  }
+  std::chrono::milliseconds timeout() const {
+    return timeout_;
+  }
   /// Where this group's tensors live: CPU for gloo, this rank's GPU for NCCL.
-  torch::Device device() const { return device_; }
+  torch::Device device() const {
+    return device_;
+  }
 
   /// The c10d backend; null in a world of one.
-  const compat::BackendPtr& backend() const { return backend_; }
+  const compat::BackendPtr& backend() const {
+    return backend_;
+  }
   /// The rendezvous store; null in a world of one.
-  const compat::StorePtr& store() const { return store_; }
+  const compat::StorePtr& store() const {
+    return store_;
+  }
 
  private:
   static compat::StorePtr rendezvous(const DistEnv& env,
@@ -179,8 +197,10 @@ class Group {
                                              const std::string& what) {
     using ddpkit::detail::cat;
     if (what.find("ddress already in use") != std::string::npos) {
-      throw UsageError(cat("rank ", env.rank, ": cannot host the rendezvous "
-                           "store on port ", port,
+      throw UsageError(cat("rank ", env.rank,
+                           ": cannot host the rendezvous "
+                           "store on port ",
+                           port,
                            ": the port is already in use (choose another "
                            "MASTER_PORT)"));
     }
@@ -256,8 +276,9 @@ class Group {
 #if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
         return compat::make_nccl(prefixed, env.rank, env.world_size, timeout);
 #else
-        throw UsageError("backend nccl requested, but this build of ddpkit "
-                         "has no NCCL (libtorch without CUDA)");
+        throw UsageError(
+            "backend nccl requested, but this build of ddpkit "
+            "has no NCCL (libtorch without CUDA)");
 #endif
       }
 #if defined(USE_C10D_GLOO)
@@ -274,13 +295,16 @@ class Group {
       return compat::make_gloo(prefixed, env.rank, env.world_size, timeout,
                                addr, is_iface);
 #else
-      throw UsageError("backend gloo requested, but libtorch was built "
-                       "without it");
+      throw UsageError(
+          "backend gloo requested, but libtorch was built "
+          "without it");
 #endif
     } catch (const c10::Error& e) {
       std::string what = e.what_without_backtrace();
-      throw DistError(cat("rank ", env.rank, ": creating the process group "
-                          "failed: ", what.substr(0, what.find('\n'))));
+      throw DistError(cat("rank ", env.rank,
+                          ": creating the process group "
+                          "failed: ",
+                          what.substr(0, what.find('\n'))));
     }
   }
 

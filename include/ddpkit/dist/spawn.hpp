@@ -11,11 +11,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fcntl.h>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <fcntl.h>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -66,7 +66,9 @@ struct RankExit {
   int signal = 0;     ///< the signal that killed it, or 0
   bool stopped_by_launcher = false;
 
-  bool ok() const { return signal == 0 && exit_code == 0; }
+  bool ok() const {
+    return signal == 0 && exit_code == 0;
+  }
   std::string describe() const {
     if (signal != 0) {
       const char* name = sigdescr_np(signal);
@@ -87,7 +89,9 @@ struct SpawnResult {
   int master_port = 0;
   double seconds_to_stop_after_failure = 0;
   std::string message;
-  bool ok() const { return exit_code == 0; }
+  bool ok() const {
+    return exit_code == 0;
+  }
 };
 
 /// A free TCP port on loopback (bound once, then released).
@@ -109,7 +113,9 @@ inline int free_loopback_port() {
 }
 
 /// Whether this process was started by `spawn` (it must not spawn again).
-inline bool is_spawned_rank() { return std::getenv("DDPKIT_SPAWNED") != nullptr; }
+inline bool is_spawned_rank() {
+  return std::getenv("DDPKIT_SPAWNED") != nullptr;
+}
 
 /// Starts `world_size` ranks and waits for all of them. On the first rank to
 /// fail (non-zero exit or a signal) the others get SIGTERM, then SIGKILL
@@ -125,13 +131,15 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
   SpawnResult result;
   result.master_port =
       opts.master_port() > 0 ? opts.master_port() : free_loopback_port();
-  std::string exe = opts.executable().empty() ? "/proc/self/exe"
-                                              : opts.executable();
+  std::string exe =
+      opts.executable().empty() ? "/proc/self/exe" : opts.executable();
   bool caller_sets_init = false;
-  for (auto& kv : opts.env()) caller_sets_init |= kv.first == "DDPKIT_INIT_METHOD";
+  for (auto& kv : opts.env())
+    caller_sets_init |= kv.first == "DDPKIT_INIT_METHOD";
   std::string rdv_dir;
   if (opts.file_rendezvous() && !caller_sets_init) {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "ddpkit-rdv-XXXXXX").string();
+    std::string tmpl =
+        (std::filesystem::temp_directory_path() / "ddpkit-rdv-XXXXXX").string();
     if (::mkdtemp(tmpl.data()) == nullptr) {
       throw Error(cat("spawn: cannot create a rendezvous folder in ",
                       std::filesystem::temp_directory_path().string(), ": ",
@@ -314,8 +322,8 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
     const auto& f = *result.first_failure;
     result.seconds_to_stop_after_failure =
         std::chrono::duration<double>(clock::now() - stop_started).count();
-    result.message = cat("ddpkit: ", f.describe(), "; stopped the other ",
-                         "ranks");
+    result.message =
+        cat("ddpkit: ", f.describe(), "; stopped the other ", "ranks");
     result.exit_code = f.signal != 0 ? 128 + f.signal : f.exit_code;
     if (opts.report()) std::fprintf(stderr, "%s\n", result.message.c_str());
   }

@@ -46,24 +46,24 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     const int64_t C = x.size(1);
     const double local_n = static_cast<double>(x.numel() / C);
     auto xd = x.to(torch::kFloat64);
-    auto local_mean = local_n > 0 ? xd.mean(dims)
-                                  : torch::zeros({C}, xd.options());
+    auto local_mean =
+        local_n > 0 ? xd.mean(dims) : torch::zeros({C}, xd.options());
     auto local_m2 =
-        local_n > 0
-            ? (xd - per_channel(local_mean, x.dim())).pow(2).sum(dims)
-            : torch::zeros({C}, xd.options());
+        local_n > 0 ? (xd - per_channel(local_mean, x.dim())).pow(2).sum(dims)
+                    : torch::zeros({C}, xd.options());
     // [count, mean(C), M2(C)] per rank.
     auto packed = torch::cat({torch::full({1}, local_n, xd.options()),
                               local_mean, local_m2})
                       .to(g.device());
     auto all = torch::stack(dist::all_gather(g, packed)).to(x.device());
-    auto counts = all.select(1, 0);                  // [W]
-    auto means = all.narrow(1, 1, C);                // [W, C]
-    auto m2s = all.narrow(1, 1 + C, C);              // [W, C]
+    auto counts = all.select(1, 0);      // [W]
+    auto means = all.narrow(1, 1, C);    // [W, C]
+    auto m2s = all.narrow(1, 1 + C, C);  // [W, C]
     const double total = counts.sum().item<double>();
     if (total <= 1) {
-      throw Error("SyncBatchNorm: expected more than one value per channel "
-                  "across all ranks in training mode");
+      throw Error(
+          "SyncBatchNorm: expected more than one value per channel "
+          "across all ranks in training mode");
     }
     auto w = counts.unsqueeze(1);
     auto mean = (means * w).sum(0) / total;
@@ -72,8 +72,8 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     auto invstd = (var + eps).rsqrt();
     if (running_mean.defined()) {
       torch::NoGradGuard no_grad;
-      running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype()),
-                                           momentum);
+      running_mean.mul_(1 - momentum)
+          .add_(mean.to(running_mean.dtype()), momentum);
       running_var.mul_(1 - momentum)
           .add_((m2 / (total - 1)).to(running_var.dtype()), momentum);
     }
@@ -95,8 +95,8 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
       torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     auto x = saved[0], weight = saved[1], mean = saved[2], invstd = saved[3];
-    const auto& g = *reinterpret_cast<const dist::Group*>(
-        ctx->saved_data["group"].toInt());
+    const auto& g =
+        *reinterpret_cast<const dist::Group*>(ctx->saved_data["group"].toInt());
     const double total = ctx->saved_data["total"].toDouble();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     auto dy = grads[0].to(torch::kFloat64);
@@ -117,12 +117,14 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     both = both.to(x.device());
     auto mean_dy = both.narrow(0, 0, C) / total;
     auto mean_dy_xmu = both.narrow(0, C, C) / total;
-    auto scale = weight.defined() ? invstd * weight.to(torch::kFloat64) : invstd;
+    auto scale =
+        weight.defined() ? invstd * weight.to(torch::kFloat64) : invstd;
     auto dx = (dy - per_channel(mean_dy, x.dim()) -
                xmu * per_channel(invstd * invstd * mean_dy_xmu, x.dim())) *
               per_channel(scale, x.dim());
-    return {dx.to(x.dtype()), grad_weight, grad_bias, torch::Tensor(),
-            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dx.to(x.dtype()), grad_weight,     grad_bias,
+            torch::Tensor(),  torch::Tensor(), torch::Tensor(),
+            torch::Tensor(),  torch::Tensor()};
   }
 };
 
@@ -162,8 +164,8 @@ class BatchNorm2dImpl : public torch::nn::Cloneable<BatchNorm2dImpl> {
     if (options.track_running_stats()) {
       running_mean = register_buffer("running_mean", torch::zeros({c}));
       running_var = register_buffer("running_var", torch::ones({c}));
-      num_batches_tracked =
-          register_buffer("num_batches_tracked", torch::tensor(0, torch::kLong));
+      num_batches_tracked = register_buffer("num_batches_tracked",
+                                            torch::tensor(0, torch::kLong));
     }
   }
 
@@ -177,14 +179,16 @@ class BatchNorm2dImpl : public torch::nn::Cloneable<BatchNorm2dImpl> {
     if (is_training() && options.track_running_stats()) {
       num_batches_tracked.add_(1);
       if (!options.momentum()) {
-        momentum = 1.0 / static_cast<double>(num_batches_tracked.item<int64_t>());
+        momentum =
+            1.0 / static_cast<double>(num_batches_tracked.item<int64_t>());
       }
     }
-    const bool use_batch_stats = is_training() || !options.track_running_stats();
+    const bool use_batch_stats =
+        is_training() || !options.track_running_stats();
     if (use_batch_stats && group_ && group_->size() > 1) {
-      return detail::SyncBNFunction::apply(
-          x, weight, bias, running_mean, running_var, options.eps(), momentum,
-          reinterpret_cast<int64_t>(&*group_));
+      return detail::SyncBNFunction::apply(x, weight, bias, running_mean,
+                                           running_var, options.eps(), momentum,
+                                           reinterpret_cast<int64_t>(&*group_));
     }
     return torch::batch_norm(x, weight, bias, running_mean, running_var,
                              use_batch_stats, momentum, options.eps(),
@@ -196,11 +200,13 @@ class BatchNorm2dImpl : public torch::nn::Cloneable<BatchNorm2dImpl> {
   void set_sync_group(std::optional<dist::Group> group) {
     group_ = std::move(group);
   }
-  bool is_synchronized() const { return group_ && group_->size() > 1; }
+  bool is_synchronized() const {
+    return group_ && group_->size() > 1;
+  }
 
   void pretty_print(std::ostream& os) const override {
-    os << (is_synchronized() ? "ddpkit::nn::SyncBatchNorm(" :
-                               "ddpkit::nn::BatchNorm2d(")
+    os << (is_synchronized() ? "ddpkit::nn::SyncBatchNorm("
+                             : "ddpkit::nn::BatchNorm2d(")
        << options.num_features() << ", eps=" << options.eps() << ")";
   }
 
@@ -244,7 +250,9 @@ struct PlainBN {
   using bn_concept = bn_tag;
   static constexpr bool is_synchronized = false;
   static constexpr const char* name = "bn";
-  static int apply(torch::nn::Module&, const dist::Group&) { return 0; }
+  static int apply(torch::nn::Module&, const dist::Group&) {
+    return 0;
+  }
 };
 
 /// Batch-norm statistics are shared by every rank (needs a multi-process

@@ -17,8 +17,10 @@ namespace ddpkit::nn {
 namespace detail {
 
 inline torch::nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1) {
-  return torch::nn::Conv2d(
-      torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false));
+  return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3)
+                               .stride(stride)
+                               .padding(1)
+                               .bias(false));
 }
 inline torch::nn::Conv2d conv1x1(int64_t in, int64_t out, int64_t stride = 1) {
   return torch::nn::Conv2d(
@@ -32,20 +34,26 @@ inline torch::nn::Conv2d conv1x1(int64_t in, int64_t out, int64_t stride = 1) {
 class BasicBlockImpl : public torch::nn::Cloneable<BasicBlockImpl> {
  public:
   static constexpr int64_t expansion = 1;
-  BasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride, bool downsample)
-      : inplanes_(inplanes), planes_(planes), stride_(stride), has_down_(downsample) {
+  BasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride,
+                 bool downsample)
+      : inplanes_(inplanes),
+        planes_(planes),
+        stride_(stride),
+        has_down_(downsample) {
     reset();
   }
   void reset() override {
-    conv1 = register_module("conv1", detail::conv3x3(inplanes_, planes_, stride_));
+    conv1 =
+        register_module("conv1", detail::conv3x3(inplanes_, planes_, stride_));
     bn1 = register_module("bn1", ddpkit::nn::BatchNorm2d(planes_));
     conv2 = register_module("conv2", detail::conv3x3(planes_, planes_));
     bn2 = register_module("bn2", ddpkit::nn::BatchNorm2d(planes_));
     if (has_down_) {
       downsample = register_module(
           "downsample",
-          torch::nn::Sequential(detail::conv1x1(inplanes_, planes_ * expansion, stride_),
-                                ddpkit::nn::BatchNorm2d(planes_ * expansion)));
+          torch::nn::Sequential(
+              detail::conv1x1(inplanes_, planes_ * expansion, stride_),
+              ddpkit::nn::BatchNorm2d(planes_ * expansion)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -70,22 +78,29 @@ TORCH_MODULE(BasicBlock);
 class BottleneckImpl : public torch::nn::Cloneable<BottleneckImpl> {
  public:
   static constexpr int64_t expansion = 4;
-  BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride, bool downsample)
-      : inplanes_(inplanes), planes_(planes), stride_(stride), has_down_(downsample) {
+  BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride,
+                 bool downsample)
+      : inplanes_(inplanes),
+        planes_(planes),
+        stride_(stride),
+        has_down_(downsample) {
     reset();
   }
   void reset() override {
     conv1 = register_module("conv1", detail::conv1x1(inplanes_, planes_));
     bn1 = register_module("bn1", ddpkit::nn::BatchNorm2d(planes_));
-    conv2 = register_module("conv2", detail::conv3x3(planes_, planes_, stride_));
+    conv2 =
+        register_module("conv2", detail::conv3x3(planes_, planes_, stride_));
     bn2 = register_module("bn2", ddpkit::nn::BatchNorm2d(planes_));
-    conv3 = register_module("conv3", detail::conv1x1(planes_, planes_ * expansion));
+    conv3 =
+        register_module("conv3", detail::conv1x1(planes_, planes_ * expansion));
     bn3 = register_module("bn3", ddpkit::nn::BatchNorm2d(planes_ * expansion));
     if (has_down_) {
       downsample = register_module(
           "downsample",
-          torch::nn::Sequential(detail::conv1x1(inplanes_, planes_ * expansion, stride_),
-                                ddpkit::nn::BatchNorm2d(planes_ * expansion)));
+          torch::nn::Sequential(
+              detail::conv1x1(inplanes_, planes_ * expansion, stride_),
+              ddpkit::nn::BatchNorm2d(planes_ * expansion)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -110,7 +125,9 @@ TORCH_MODULE(Bottleneck);
 struct ResNetOptions {
   ResNetOptions(std::vector<int64_t> layers, bool bottleneck,
                 int64_t num_classes = 1000)
-      : layers_(std::move(layers)), bottleneck_(bottleneck), num_classes_(num_classes) {}
+      : layers_(std::move(layers)),
+        bottleneck_(bottleneck),
+        num_classes_(num_classes) {}
   /// Blocks per stage: {2,2,2,2} ResNet-18, {3,4,6,3} ResNet-34/50.
   TORCH_ARG(std::vector<int64_t>, layers);
   /// Bottleneck blocks (ResNet-50) instead of basic blocks.
@@ -141,23 +158,27 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
   void reset() override {
     namespace tnn = torch::nn;
     if (options.layers().size() != 4) {
-      throw UsageError(ddpkit::detail::cat("ResNet: expected 4 stage sizes, got ",
-                                           options.layers().size()));
+      throw UsageError(ddpkit::detail::cat(
+          "ResNet: expected 4 stage sizes, got ", options.layers().size()));
     }
     inplanes_ = 64;
     conv1 = register_module(
-        "conv1", tnn::Conv2d(tnn::Conv2dOptions(3, 64, 7).stride(2).padding(3).bias(false)));
+        "conv1",
+        tnn::Conv2d(
+            tnn::Conv2dOptions(3, 64, 7).stride(2).padding(3).bias(false)));
     bn1 = register_module("bn1", ddpkit::nn::BatchNorm2d(64));
     layer1 = register_module("layer1", make_layer(64, options.layers()[0], 1));
     layer2 = register_module("layer2", make_layer(128, options.layers()[1], 2));
     layer3 = register_module("layer3", make_layer(256, options.layers()[2], 2));
     layer4 = register_module("layer4", make_layer(512, options.layers()[3], 2));
-    fc = register_module("fc", tnn::Linear(512 * expansion(), options.num_classes()));
+    fc = register_module("fc",
+                         tnn::Linear(512 * expansion(), options.num_classes()));
 
     torch::NoGradGuard no_grad;
     for (auto& m : modules(/*include_self=*/false)) {
       if (auto* conv = m->as<tnn::Conv2d>()) {
-        tnn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
+        tnn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut,
+                                   torch::kReLU);
       } else if (auto* bn = m->as<ddpkit::nn::BatchNorm2d>()) {
         tnn::init::ones_(bn->weight);
         tnn::init::zeros_(bn->bias);
@@ -179,7 +200,9 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
     return fc->forward(x);
   }
 
-  int64_t expansion() const { return options.bottleneck() ? 4 : 1; }
+  int64_t expansion() const {
+    return options.bottleneck() ? 4 : 1;
+  }
 
   ResNetOptions options;
   torch::nn::Conv2d conv1{nullptr};
@@ -189,7 +212,8 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
   torch::nn::Linear fc{nullptr};
 
  private:
-  torch::nn::Sequential make_layer(int64_t planes, int64_t blocks, int64_t stride) {
+  torch::nn::Sequential make_layer(int64_t planes, int64_t blocks,
+                                   int64_t stride) {
     torch::nn::Sequential seq;
     const bool down = stride != 1 || inplanes_ != planes * expansion();
     for (int64_t i = 0; i < blocks; ++i) {

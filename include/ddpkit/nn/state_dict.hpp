@@ -20,7 +20,8 @@ namespace ddpkit::nn {
 
 /// Every parameter and buffer of `module` under its dotted name, on the CPU
 /// and detached — the keys of torchvision's `state_dict()`.
-inline c10::Dict<std::string, torch::Tensor> state_dict(const torch::nn::Module& module) {
+inline c10::Dict<std::string, torch::Tensor> state_dict(
+    const torch::nn::Module& module) {
   c10::Dict<std::string, torch::Tensor> d;
   for (const auto& p : module.named_parameters(/*recurse=*/true))
     d.insert(p.key(), p.value().detach().cpu());
@@ -38,7 +39,8 @@ inline void save_state_dict(const torch::nn::Module& module,
   std::ofstream os(path, std::ios::binary);
   os.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   if (!os) {
-    throw UsageError(ddpkit::detail::cat("save_state_dict: cannot write ", path.string()));
+    throw UsageError(
+        ddpkit::detail::cat("save_state_dict: cannot write ", path.string()));
   }
 }
 
@@ -52,7 +54,8 @@ inline c10::Dict<std::string, torch::Tensor> read_state_dict(
     const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    throw UsageError(ddpkit::detail::cat("load_state_dict: cannot open ", path.string()));
+    throw UsageError(
+        ddpkit::detail::cat("load_state_dict: cannot open ", path.string()));
   }
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
                           std::istreambuf_iterator<char>());
@@ -75,7 +78,8 @@ inline c10::Dict<std::string, torch::Tensor> read_state_dict(
         "load_state_dict: cannot unpickle ", path.string(), " (",
         e.what_without_backtrace(),
         "); it must be a plain dict of several tensors; if it holds a model "
-        "or an OrderedDict, ", kConvertStateDictHint));
+        "or an OrderedDict, ",
+        kConvertStateDictHint));
   }
   // Python's OrderedDict (what `model.state_dict()` is) has no C++ unpickler
   // class and comes back as None; only a plain dict of tensors is usable.
@@ -91,8 +95,8 @@ inline c10::Dict<std::string, torch::Tensor> read_state_dict(
     if (!kv.key().isString() || !kv.value().isTensor()) {
       throw UsageError(ddpkit::detail::cat(
           "load_state_dict: ", path.string(),
-          " has an entry that is not str -> Tensor (key kind ", kv.key().tagKind(),
-          ", value kind ", kv.value().tagKind(),
+          " has an entry that is not str -> Tensor (key kind ",
+          kv.key().tagKind(), ", value kind ", kv.value().tagKind(),
           "); a full checkpoint? save only the model's state dict: ",
           kConvertStateDictHint));
     }
@@ -124,15 +128,18 @@ struct LoadReport {
 /// Copies the tensors of `dict` into `module`'s parameters and buffers by
 /// name. With `skip_mismatched`, shape mismatches are skipped and reported;
 /// with `strict`, missing or unexpected keys throw (after shape handling).
-inline LoadReport load_state_dict(torch::nn::Module& module,
-                                  const c10::Dict<std::string, torch::Tensor>& dict,
-                                  LoadStateDictOptions options = {},
-                                  const std::string& source = "state dict") {
+inline LoadReport load_state_dict(
+    torch::nn::Module& module,
+    const c10::Dict<std::string, torch::Tensor>& dict,
+    LoadStateDictOptions options = {},
+    const std::string& source = "state dict") {
   LoadReport report;
   torch::NoGradGuard no_grad;
   std::vector<std::pair<std::string, torch::Tensor>> targets;
-  for (const auto& p : module.named_parameters(true)) targets.emplace_back(p.key(), p.value());
-  for (const auto& b : module.named_buffers(true)) targets.emplace_back(b.key(), b.value());
+  for (const auto& p : module.named_parameters(true))
+    targets.emplace_back(p.key(), p.value());
+  for (const auto& b : module.named_buffers(true))
+    targets.emplace_back(b.key(), b.value());
   std::vector<std::string> known;
   for (auto& [name, target] : targets) {
     known.push_back(name);
@@ -159,13 +166,16 @@ inline LoadReport load_state_dict(torch::nn::Module& module,
     if (std::find(known.begin(), known.end(), kv.key()) == known.end())
       report.unexpected.push_back(kv.key());
   }
-  if (options.strict() && (!report.missing.empty() || !report.unexpected.empty())) {
+  if (options.strict() &&
+      (!report.missing.empty() || !report.unexpected.empty())) {
     std::string miss, unex;
     for (const auto& s : report.missing) miss += (miss.empty() ? "" : ", ") + s;
-    for (const auto& s : report.unexpected) unex += (unex.empty() ? "" : ", ") + s;
+    for (const auto& s : report.unexpected)
+      unex += (unex.empty() ? "" : ", ") + s;
     throw UsageError(ddpkit::detail::cat(
-        "load_state_dict: ", source, " does not match the model: missing [", miss,
-        "], unexpected [", unex, "] (use strict(false) to load what matches)"));
+        "load_state_dict: ", source, " does not match the model: missing [",
+        miss, "], unexpected [", unex,
+        "] (use strict(false) to load what matches)"));
   }
   return report;
 }

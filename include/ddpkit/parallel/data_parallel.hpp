@@ -43,10 +43,11 @@ struct DataParallel {
 
   template <class Model>
   class engine {
-    static_assert(requires { typename Model::ContainedType; },
-                  "DataParallel needs a module holder (TORCH_MODULE) whose "
-                  "Impl derives from torch::nn::Cloneable<Impl>, so replicas "
-                  "can be cloned");
+    static_assert(
+        requires { typename Model::ContainedType; },
+        "DataParallel needs a module holder (TORCH_MODULE) whose "
+        "Impl derives from torch::nn::Cloneable<Impl>, so replicas "
+        "can be cloned");
     using Impl = typename Model::ContainedType;
 
    public:
@@ -66,7 +67,8 @@ struct DataParallel {
           for (int k = 0; k < n; ++k) devices_.emplace_back(torch::kCUDA, k);
         } else {
           if (n == 0) n = 2;
-          devices_.assign(static_cast<std::size_t>(n), torch::Device(torch::kCPU));
+          devices_.assign(static_cast<std::size_t>(n),
+                          torch::Device(torch::kCPU));
         }
       }
       if (devices_.empty()) {
@@ -74,16 +76,25 @@ struct DataParallel {
       }
       model_->to(devices_[0]);
       for (std::size_t k = 1; k < devices_.size(); ++k) {
-        auto clone = std::dynamic_pointer_cast<Impl>(model_->clone(devices_[k]));
+        auto clone =
+            std::dynamic_pointer_cast<Impl>(model_->clone(devices_[k]));
         replicas_.emplace_back(clone);
       }
     }
 
-    Model& module() { return model_; }
-    torch::Device device() const { return devices_[0]; }
-    std::size_t num_replicas() const { return devices_.size(); }
+    Model& module() {
+      return model_;
+    }
+    torch::Device device() const {
+      return devices_[0];
+    }
+    std::size_t num_replicas() const {
+      return devices_.size();
+    }
 
-    torch::Tensor forward(const torch::Tensor& x) { return model_->forward(x); }
+    torch::Tensor forward(const torch::Tensor& x) {
+      return model_->forward(x);
+    }
 
     template <class LossFn>
     StepOutput forward_backward(const torch::Tensor& x, const torch::Tensor& y,
@@ -101,7 +112,8 @@ struct DataParallel {
           auto dev = devices_[k];
           auto xk = xs[k].to(dev);
           auto yk = ys[k].to(dev);
-          auto out = k == 0 ? model_->forward(xk) : replicas_[k - 1]->forward(xk);
+          auto out =
+              k == 0 ? model_->forward(xk) : replicas_[k - 1]->forward(xk);
           // Weight each part by its share so the sum of the parts' gradients
           // is the gradient of the whole batch's mean loss.
           auto share = static_cast<double>(xk.size(0)) / static_cast<double>(n);
@@ -129,8 +141,12 @@ struct DataParallel {
     /// DataParallel sums replica gradients every step; accumulation needs no
     /// special scope.
     struct NoSync {};
-    [[nodiscard]] NoSync no_sync() { return {}; }
-    double last_wait_seconds() const { return 0; }
+    [[nodiscard]] NoSync no_sync() {
+      return {};
+    }
+    double last_wait_seconds() const {
+      return 0;
+    }
 
    private:
     void refresh_replicas(std::size_t used) {

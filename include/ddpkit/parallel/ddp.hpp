@@ -88,11 +88,21 @@ struct BasicDDP {
       }
     }
 
-    Model& module() { return model_; }
-    torch::Device device() const { return device_; }
-    const dist::Group& group() const { return group_; }
-    Reducer<Comm>* reducer() { return reducer_.get(); }
-    Trace* trace() { return trace_.get(); }
+    Model& module() {
+      return model_;
+    }
+    torch::Device device() const {
+      return device_;
+    }
+    const dist::Group& group() const {
+      return group_;
+    }
+    Reducer<Comm>* reducer() {
+      return reducer_.get();
+    }
+    Trace* trace() {
+      return trace_.get();
+    }
 
     torch::Tensor forward(const torch::Tensor& x) {
       if (opts_.broadcast_buffers() && as_module(model_).is_training()) {
@@ -128,14 +138,18 @@ struct BasicDDP {
      private:
       std::optional<typename Reducer<Comm>::NoSyncGuard> guard_;
     };
-    [[nodiscard]] NoSync no_sync() { return NoSync(reducer_.get()); }
+    [[nodiscard]] NoSync no_sync() {
+      return NoSync(reducer_.get());
+    }
 
     double last_wait_seconds() const {
       return reducer_ ? reducer_->last_wait_seconds() : 0.0;
     }
 
    private:
-    Trace* trace_or_null() { return trace_ ? trace_.get() : &null_trace_; }
+    Trace* trace_or_null() {
+      return trace_ ? trace_.get() : &null_trace_;
+    }
 
     Model model_;
     dist::Group group_;

@@ -36,7 +36,8 @@ inline void broadcast_coalesced(const dist::Group& g,
       if (t.scalar_type() == kind) group.push_back(t);
     }
     std::vector<torch::Tensor> flat_parts;
-    for (auto& t : group) flat_parts.push_back(t.detach().reshape({-1}).to(g.device()));
+    for (auto& t : group)
+      flat_parts.push_back(t.detach().reshape({-1}).to(g.device()));
     auto flat = torch::cat(flat_parts);
     dist::broadcast(g, flat, src);
     int64_t off = 0;

@@ -95,7 +95,9 @@ class Reducer {
     explicit NoSyncGuard(Reducer& r) : r_(r), prev_(r.enabled_) {
       r_.enabled_ = false;
     }
-    ~NoSyncGuard() { r_.enabled_ = prev_; }
+    ~NoSyncGuard() {
+      r_.enabled_ = prev_;
+    }
     NoSyncGuard(const NoSyncGuard&) = delete;
     NoSyncGuard& operator=(const NoSyncGuard&) = delete;
 
@@ -103,14 +105,24 @@ class Reducer {
     Reducer& r_;
     bool prev_;
   };
-  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  [[nodiscard]] NoSyncGuard no_sync() {
+    return NoSyncGuard(*this);
+  }
 
-  const std::vector<Bucket>& buckets() const { return buckets_; }
-  std::size_t num_parameters() const { return params_.size(); }
+  const std::vector<Bucket>& buckets() const {
+    return buckets_;
+  }
+  std::size_t num_parameters() const {
+    return params_.size();
+  }
   /// Seconds spent, in the last step, waiting for communication after
   /// backward had finished computing.
-  double last_wait_seconds() const { return last_wait_seconds_; }
-  bool sync_enabled() const { return enabled_; }
+  double last_wait_seconds() const {
+    return last_wait_seconds_;
+  }
+  bool sync_enabled() const {
+    return enabled_;
+  }
 
  private:
   void build_buckets() {
@@ -120,10 +132,10 @@ class Reducer {
     int64_t cap = opts_.first_bucket_cap_bytes();
     auto close = [&] {
       if (current.params.empty()) return;
-      int64_t total = current.offsets.back() +
-                      params_[current.params.back()].numel();
-      current.flat = torch::zeros({total},
-                                  params_[current.params.front()].options());
+      int64_t total =
+          current.offsets.back() + params_[current.params.back()].numel();
+      current.flat =
+          torch::zeros({total}, params_[current.params.front()].options());
       buckets_.push_back(std::move(current));
       current = Bucket{};
       bytes = 0;
@@ -132,16 +144,17 @@ class Reducer {
     for (std::size_t k = params_.size(); k-- > 0;) {
       const auto& p = params_[k];
       int64_t pbytes = p.numel() * static_cast<int64_t>(p.element_size());
-      bool other_kind = !current.params.empty() &&
-                        (params_[current.params.front()].dtype() != p.dtype() ||
-                         params_[current.params.front()].device() != p.device());
+      bool other_kind =
+          !current.params.empty() &&
+          (params_[current.params.front()].dtype() != p.dtype() ||
+           params_[current.params.front()].device() != p.device());
       if (other_kind || (!current.params.empty() && bytes + pbytes > cap)) {
         close();
       }
-      int64_t offset = current.params.empty()
-                           ? 0
-                           : current.offsets.back() +
-                                 params_[current.params.back()].numel();
+      int64_t offset =
+          current.params.empty()
+              ? 0
+              : current.offsets.back() + params_[current.params.back()].numel();
       current.params.push_back(k);
       current.offsets.push_back(offset);
       bytes += pbytes;
@@ -247,10 +260,12 @@ class Reducer {
         }
         if (missing.size() > 10) list += ", ...";
         reset_step();
-        throw Error(ddpkit::detail::cat(
-            "DDP: ", missing.size(), " parameter(s) received no gradient in "
-            "this backward: ", list, ". Either use them in forward or set "
-            "find_unused_parameters(true)."));
+        throw Error(ddpkit::detail::cat("DDP: ", missing.size(),
+                                        " parameter(s) received no gradient in "
+                                        "this backward: ",
+                                        list,
+                                        ". Either use them in forward or set "
+                                        "find_unused_parameters(true)."));
       }
       for (auto i : missing) {
         auto view = view_of(i);
@@ -272,8 +287,8 @@ class Reducer {
       dist::detail::wait(group_, b.work, "gradient all-reduce");
       Comm::finish(b.flat, b.scratch);
       if (trace_) {
-        trace_->record("allreduce bucket " + std::to_string(bi),
-                       b.launch_time, Trace::clock::now(), 1);
+        trace_->record("allreduce bucket " + std::to_string(bi), b.launch_time,
+                       Trace::clock::now(), 1);
       }
       for (std::size_t j = 0; j < b.params.size(); ++j) {
         auto& p = params_[b.params[j]];

@@ -44,10 +44,16 @@ struct SingleDevice {
       as_module(model_).to(device_);
     }
 
-    Model& module() { return model_; }
-    torch::Device device() const { return device_; }
+    Model& module() {
+      return model_;
+    }
+    torch::Device device() const {
+      return device_;
+    }
 
-    torch::Tensor forward(const torch::Tensor& x) { return model_->forward(x); }
+    torch::Tensor forward(const torch::Tensor& x) {
+      return model_->forward(x);
+    }
 
     template <class LossFn>
     StepOutput forward_backward(const torch::Tensor& x, const torch::Tensor& y,
@@ -60,8 +66,12 @@ struct SingleDevice {
 
     /// Nothing to skip on one device.
     struct NoSync {};
-    [[nodiscard]] NoSync no_sync() { return {}; }
-    double last_wait_seconds() const { return 0; }
+    [[nodiscard]] NoSync no_sync() {
+      return {};
+    }
+    double last_wait_seconds() const {
+      return 0;
+    }
 
    private:
     Model model_;

@@ -22,7 +22,9 @@ class Trace {
   Trace() = default;
   Trace(std::string path, int rank) : path_(std::move(path)), rank_(rank) {}
 
-  bool enabled() const { return !path_.empty(); }
+  bool enabled() const {
+    return !path_.empty();
+  }
 
   /// Records [start, end) under `name` on track `track`.
   void record(const std::string& name, clock::time_point start,
@@ -37,7 +39,9 @@ class Trace {
    public:
     Span(Trace& t, std::string name, int track = 0)
         : t_(t), name_(std::move(name)), track_(track), start_(clock::now()) {}
-    ~Span() { t_.record(name_, start_, clock::now(), track_); }
+    ~Span() {
+      t_.record(name_, start_, clock::now(), track_);
+    }
 
    private:
     Trace& t_;
@@ -55,8 +59,8 @@ class Trace {
     {
       std::ofstream out(tmp);
       if (!out) {
-        throw UsageError(ddpkit::detail::cat("trace file ", tmp,
-                                             " cannot be written"));
+        throw UsageError(
+            ddpkit::detail::cat("trace file ", tmp, " cannot be written"));
       }
       out << "{\"traceEvents\":[\n";
       for (std::size_t i = 0; i < events_.size(); ++i) {

@@ -62,9 +62,8 @@ inline void atomic_save(torch::serialize::OutputArchive& archive,
   if (before_rename_hook()) before_rename_hook()();
   fs::rename(tmp, path, ec);
   if (ec) {
-    throw UsageError(ddpkit::detail::cat("cannot rename ", tmp.string(),
-                                         " to ", path.string(), ": ",
-                                         ec.message()));
+    throw UsageError(ddpkit::detail::cat("cannot rename ", tmp.string(), " to ",
+                                         path.string(), ": ", ec.message()));
   }
   detail::fsync_path(path.parent_path(), true);
 }
@@ -74,17 +73,18 @@ inline void atomic_save(torch::serialize::OutputArchive& archive,
 inline torch::serialize::InputArchive open_checkpoint(
     const std::filesystem::path& path) {
   if (!std::filesystem::is_regular_file(path)) {
-    throw UsageError(ddpkit::detail::cat("checkpoint ", path.string(),
-                                         " does not exist"));
+    throw UsageError(
+        ddpkit::detail::cat("checkpoint ", path.string(), " does not exist"));
   }
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(path.string());
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
-    throw UsageError(ddpkit::detail::cat(
-        "checkpoint ", path.string(), " cannot be read (truncated or not a "
-        "ddpkit checkpoint): ", what.substr(0, what.find('\n'))));
+    throw UsageError(ddpkit::detail::cat("checkpoint ", path.string(),
+                                         " cannot be read (truncated or not a "
+                                         "ddpkit checkpoint): ",
+                                         what.substr(0, what.find('\n'))));
   }
   return archive;
 }

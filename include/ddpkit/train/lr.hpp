@@ -17,14 +17,19 @@ namespace ddpkit::train {
 struct NoScaling {
   using lr_scaling_concept = lr_scaling_tag;
   static constexpr const char* name = "none";
-  static double scale(double lr, int /*world_size*/) { return lr; }
+  static double scale(double lr, int /*world_size*/) {
+    return lr;
+  }
 };
 
-/// `lr × world_size` (Goyal et al.; the flowers recipe's `args.lr *= world_size`).
+/// `lr × world_size` (Goyal et al.; the flowers recipe's `args.lr *=
+/// world_size`).
 struct LinearScaling {
   using lr_scaling_concept = lr_scaling_tag;
   static constexpr const char* name = "linear";
-  static double scale(double lr, int world_size) { return lr * world_size; }
+  static double scale(double lr, int world_size) {
+    return lr * world_size;
+  }
 };
 
 /// `lr × sqrt(world_size)`, gentler for adaptive optimisers.
@@ -79,7 +84,8 @@ inline double schedule_factor(const ScheduleOptions& s, int epoch, int epochs) {
 template <lr_scaling_policy Scaling>
 double lr_at(double base_lr, int world_size, const ScheduleOptions& s,
              int epoch, int epochs) {
-  return Scaling::scale(base_lr, world_size) * schedule_factor(s, epoch, epochs);
+  return Scaling::scale(base_lr, world_size) *
+         schedule_factor(s, epoch, epochs);
 }
 
 /// Sets every parameter group's learning rate.

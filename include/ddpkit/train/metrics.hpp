@@ -74,13 +74,14 @@ inline void write_atomically(const std::filesystem::path& path,
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) {
-      throw UsageError(ddpkit::detail::cat("cannot write ", tmp.string(),
-                                           " (is the output folder writable?)"));
+      throw UsageError(ddpkit::detail::cat(
+          "cannot write ", tmp.string(), " (is the output folder writable?)"));
     }
     out << text;
     out.flush();
     if (!out) {
-      throw UsageError(ddpkit::detail::cat("writing ", tmp.string(), " failed"));
+      throw UsageError(
+          ddpkit::detail::cat("writing ", tmp.string(), " failed"));
     }
   }
   std::error_code ec;
@@ -107,9 +108,10 @@ inline std::string to_json(const EpochMetrics& m) {
 inline void write_metrics_files(const std::filesystem::path& out,
                                 const std::vector<EpochMetrics>& history) {
   using detail::num;
-  std::string jsonl, csv =
-      "epoch,train_loss,train_acc,val_loss,val_acc,lr,seconds,"
-      "images_per_second\n";
+  std::string jsonl,
+      csv =
+          "epoch,train_loss,train_acc,val_loss,val_acc,lr,seconds,"
+          "images_per_second\n";
   for (const auto& m : history) {
     jsonl += to_json(m) + "\n";
     csv += std::to_string(m.epoch) + "," + num(m.train_loss) + "," +
@@ -173,7 +175,8 @@ class Progress {
   void step(std::size_t done, double loss, double images_per_second) {
     if (!tty_) return;
     auto now = std::chrono::steady_clock::now();
-    if (done < steps_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+    if (done < steps_ && now - last_draw_ < std::chrono::milliseconds(100))
+      return;
     last_draw_ = now;
     double elapsed = std::chrono::duration<double>(now - start_).count();
     double eta = done ? elapsed / done * (steps_ - done) : 0;

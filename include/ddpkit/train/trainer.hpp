@@ -17,8 +17,8 @@
 #include "ddpkit/data/samplers.hpp"
 #include "ddpkit/dist/collectives.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
-#include "ddpkit/parallel/ddp.hpp"
 #include "ddpkit/parallel/data_parallel.hpp"
+#include "ddpkit/parallel/ddp.hpp"
 #include "ddpkit/parallel/single_device.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/lr.hpp"
@@ -49,7 +49,8 @@ struct TrainerOptions {
   /// Write checkpoints/last.pt every epoch and best.pt on improvement.
   TORCH_ARG(bool, checkpoints) = true;
   /// Also write the model's state dict (Python-loadable) each epoch to this
-  /// pattern under OUT, `{epoch}` replaced (flowers: "weights/model-{epoch}.pt").
+  /// pattern under OUT, `{epoch}` replaced (flowers:
+  /// "weights/model-{epoch}.pt").
   TORCH_ARG(std::string, weights_pattern) = "";
   /// Rank 0 prints progress and one line per epoch.
   TORCH_ARG(bool, verbose) = true;
@@ -120,7 +121,8 @@ inline torch::Device default_device(const dist::Group& g) {
 /// ddpkit::Trainer<ResNet34, Mode, ddpkit::DistributedSampling, ddpkit::SyncBN,
 ///                 ddpkit::LinearScaling, ddpkit::ShardedEval>
 ///     trainer(model, make_sgd, opts, group);
-/// auto result = trainer.fit(train_set, val_set, train_tf, eval_tf, loader_opts);
+/// auto result = trainer.fit(train_set, val_set, train_tf, eval_tf,
+/// loader_opts);
 /// ```
 /// A wrong combination is a compile error naming the concept:
 /// `sampler_matches_parallel_policy` (DistributedSampling with SingleDevice,
@@ -128,11 +130,11 @@ inline torch::Device default_device(const dist::Group& g) {
 /// (SyncBN without several processes).
 template <class Model, class Parallel, class Sampler, class BN,
           class LRScaling = NoScaling, class Reduction = RankZeroEval>
-  requires trainable_model<Model> && parallel_policy<Parallel> &&
-           sampler_policy<Sampler> && bn_policy<BN> &&
-           lr_scaling_policy<LRScaling> && reduction_policy<Reduction> &&
-           sampler_matches_parallel_policy<Parallel, Sampler> &&
-           bn_matches_parallel_policy<Parallel, BN>
+requires trainable_model<Model> && parallel_policy<Parallel> &&
+    sampler_policy<Sampler> && bn_policy<BN> && lr_scaling_policy<LRScaling> &&
+    reduction_policy<Reduction> &&
+    sampler_matches_parallel_policy<Parallel, Sampler> &&
+    bn_matches_parallel_policy<Parallel, BN>
 class Trainer {
  public:
   using model_type = Model;
@@ -161,16 +163,28 @@ class Trainer {
   EvalResult evaluate(const Dataset& set, EvalTransform eval_transform,
                       data::LoaderOptions loader_options);
 
-  Model& model() { return engine_.module(); }
-  engine_type& engine() { return engine_; }
-  torch::optim::Optimizer& optimizer() { return *optimizer_; }
-  const dist::Group& group() const { return group_; }
+  Model& model() {
+    return engine_.module();
+  }
+  engine_type& engine() {
+    return engine_;
+  }
+  torch::optim::Optimizer& optimizer() {
+    return *optimizer_;
+  }
+  const dist::Group& group() const {
+    return group_;
+  }
   /// The world size the LR is scaled for (processes for DDP, else 1).
   int lr_world_size() const {
     return Parallel::is_multi_process ? group_.size() : 1;
   }
-  bool is_main() const { return group_.rank() == 0; }
-  const TrainerOptions& options() const { return options_; }
+  bool is_main() const {
+    return group_.rank() == 0;
+  }
+  const TrainerOptions& options() const {
+    return options_;
+  }
 
   /// Rank 0 writes OUT/summary.json (fit does this itself; call it again to
   /// add a test-set result).
@@ -200,7 +214,6 @@ class Trainer {
   CrossEntropy loss_fn_;
   double loss_scale_ = 65536.0;
   int good_steps_ = 0;
-
 };
 
 }  // namespace ddpkit::train

@@ -6,15 +6,16 @@
 
 #include "ddpkit/data/loader.hpp"
 
-#define DDPKIT_TRAINER_TEMPLATE                                            \
-  template <class Model, class Parallel, class Sampler, class BN,          \
-            class LRScaling, class Reduction>                              \
-    requires trainable_model<Model> && parallel_policy<Parallel> &&        \
-             sampler_policy<Sampler> && bn_policy<BN> &&                   \
-             lr_scaling_policy<LRScaling> && reduction_policy<Reduction> && \
-             sampler_matches_parallel_policy<Parallel, Sampler> &&         \
-             bn_matches_parallel_policy<Parallel, BN>
-#define DDPKIT_TRAINER Trainer<Model, Parallel, Sampler, BN, LRScaling, Reduction>
+#define DDPKIT_TRAINER_TEMPLATE                                      \
+  template <class Model, class Parallel, class Sampler, class BN,    \
+            class LRScaling, class Reduction>                        \
+  requires trainable_model<Model> && parallel_policy<Parallel> &&    \
+      sampler_policy<Sampler> && bn_policy<BN> &&                    \
+      lr_scaling_policy<LRScaling> && reduction_policy<Reduction> && \
+      sampler_matches_parallel_policy<Parallel, Sampler> &&          \
+      bn_matches_parallel_policy<Parallel, BN>
+#define DDPKIT_TRAINER \
+  Trainer<Model, Parallel, Sampler, BN, LRScaling, Reduction>
 
 namespace ddpkit::train {
 
@@ -38,15 +39,16 @@ DDPKIT_TRAINER::Trainer(Model model, OptimizerFactory make_optimizer,
   if (options_.max_steps() < 0) {
     throw UsageError(cat("max_steps ", options_.max_steps(), " must be >= 0"));
   }
-  optimizer_ = make_optimizer(parallel::as_module(engine_.module()).parameters());
+  optimizer_ =
+      make_optimizer(parallel::as_module(engine_.module()).parameters());
   if (!optimizer_) throw UsageError("the optimizer factory returned nothing");
 }
 
 DDPKIT_TRAINER_TEMPLATE
 template <class Dataset, class EvalTransform>
-torch::Tensor DDPKIT_TRAINER::eval_sums(const Dataset& set, EvalTransform& tf,
-                                        const data::LoaderOptions& lo,
-                                        const std::vector<std::size_t>& indices) {
+torch::Tensor DDPKIT_TRAINER::eval_sums(
+    const Dataset& set, EvalTransform& tf, const data::LoaderOptions& lo,
+    const std::vector<std::size_t>& indices) {
   // [loss sum, correct, count] in double, so sums are exact enough to be
   // identical whichever rank computed them.
   auto sums = torch::zeros({3}, torch::kFloat64);
@@ -62,7 +64,9 @@ torch::Tensor DDPKIT_TRAINER::eval_sums(const Dataset& set, EvalTransform& tf,
     torch::Tensor y = batch->target.to(device_);
     torch::Tensor out = engine_.forward(x);
     torch::Tensor loss = torch::nn::functional::cross_entropy(
-        out, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+        out, y,
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(
+            torch::kSum));
     sums[0] += loss.template item<double>();
     sums[1] += out.argmax(1).eq(y).sum().template item<double>();
     sums[2] += static_cast<double>(y.size(0));
@@ -85,7 +89,8 @@ EvalResult DDPKIT_TRAINER::evaluate(const Dataset& set,
     data::DistributedSampling shard(
         n, {.rank = group_.rank(), .world_size = group_.size()},
         data::DistributedSamplingOptions().shuffle(false).evaluation(true));
-    sums = eval_sums(set, eval_transform, lo, shard.indices()).to(group_.device());
+    sums =
+        eval_sums(set, eval_transform, lo, shard.indices()).to(group_.device());
     dist::all_reduce(group_, sums);
   } else {
     data::SequentialSampling all(n);
@@ -112,7 +117,9 @@ void DDPKIT_TRAINER::save_checkpoint(const std::filesystem::path& path,
                                      double best, int best_epoch,
                                      int bad_epochs) {
   torch::serialize::OutputArchive archive;
-  archive.write("model", c10::IValue(nn::state_dict(parallel::as_module(engine_.module()))));
+  archive.write(
+      "model",
+      c10::IValue(nn::state_dict(parallel::as_module(engine_.module()))));
   torch::serialize::OutputArchive opt_archive;
   optimizer_->save(opt_archive);
   archive.write("optimizer", opt_archive);
@@ -125,8 +132,9 @@ void DDPKIT_TRAINER::save_checkpoint(const std::filesystem::path& path,
   archive.write("world_size", scalar(group_.size()));
   archive.write("seed", scalar(static_cast<double>(options_.seed())));
   archive.write("loss_scale", scalar(loss_scale_));
-  auto hist = torch::zeros({static_cast<int64_t>(history.size()), EpochMetrics::kFields},
-                           torch::kFloat64);
+  auto hist = torch::zeros(
+      {static_cast<int64_t>(history.size()), EpochMetrics::kFields},
+      torch::kFloat64);
   for (std::size_t i = 0; i < history.size(); ++i) {
     hist[static_cast<int64_t>(i)] = history[i].to_tensor();
   }
@@ -158,7 +166,8 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
     }
   }
   auto archive = open_checkpoint(path);
-  load_module_checked(parallel::as_module(engine_.module()), archive, "model", path);
+  load_module_checked(parallel::as_module(engine_.module()), archive, "model",
+                      path);
   torch::serialize::InputArchive opt_archive;
   if (!archive.try_read("optimizer", opt_archive)) {
     throw UsageError(ddpkit::detail::cat("checkpoint ", path.string(),
@@ -168,7 +177,8 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
     optimizer_->load(opt_archive);
   } catch (const c10::Error& e) {
     throw UsageError(ddpkit::detail::cat(
-        "checkpoint ", path.string(), ": optimizer state does not fit this "
+        "checkpoint ", path.string(),
+        ": optimizer state does not fit this "
         "optimizer (another optimizer type or model?): ",
         std::string(e.what_without_backtrace()).substr(0, 200)));
   }
@@ -205,7 +215,8 @@ void DDPKIT_TRAINER::write_summary(const FitResult& r,
   j.add("example", options_.run_name())
       .add("mode", std::string(Parallel::name))
       .add("world_size", Parallel::is_multi_process ? group_.size() : 1)
-      .add("sampler", std::string(Parallel::is_multi_process ? "distributed" : "local"))
+      .add("sampler",
+           std::string(Parallel::is_multi_process ? "distributed" : "local"))
       .add("bn", std::string(BN::name))
       .add("lr_scaling", std::string(LRScaling::name))
       .add("evaluation", std::string(Reduction::name))
@@ -222,8 +233,8 @@ void DDPKIT_TRAINER::write_summary(const FitResult& r,
   }
   j.add("total_seconds", r.total_seconds)
       .add("images_per_second", seconds > 0 ? images / seconds : 0.0);
-  detail::write_atomically(std::filesystem::path(options_.out_dir()) / "summary.json",
-                           j.str());
+  detail::write_atomically(
+      std::filesystem::path(options_.out_dir()) / "summary.json", j.str());
 }
 
 DDPKIT_TRAINER_TEMPLATE
@@ -249,7 +260,8 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
   const int world = Parallel::is_multi_process ? group_.size() : 1;
   if (multi) {
     // Ranks holding different datasets would deadlock later: say so now.
-    auto sizes = dist::all_gather_value(group_, static_cast<int64_t>(train.size()));
+    auto sizes =
+        dist::all_gather_value(group_, static_cast<int64_t>(train.size()));
     for (int r = 0; r < world; ++r) {
       if (sizes[r] != sizes[0]) {
         throw UsageError(ddpkit::detail::cat(
@@ -259,10 +271,11 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     }
   }
   lo.seed(options_.seed()).rank(rank);
-  Sampler sampler(train.size(), data::ShardSpec{.rank = rank,
-                                                 .world_size = world,
-                                                 .seed = options_.seed(),
-                                                 .drop_last = options_.drop_last()});
+  Sampler sampler(train.size(),
+                  data::ShardSpec{.rank = rank,
+                                  .world_size = world,
+                                  .seed = options_.seed(),
+                                  .drop_last = options_.drop_last()});
   FitResult result;
   double best = -1;
   int best_epoch = 0, bad_epochs = 0;
@@ -273,8 +286,8 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
   data::Loader loader(train, train_transform, lo);
   for (int epoch = start; epoch < epochs; ++epoch) {
     const auto t0 = clock::now();
-    const double lr = lr_at<LRScaling>(options_.lr(), world, options_.schedule(),
-                                       epoch, epochs);
+    const double lr = lr_at<LRScaling>(options_.lr(), world,
+                                       options_.schedule(), epoch, epochs);
     set_lr(*optimizer_, lr);
     // Dropout and other in-model randomness: a function of (seed, epoch,
     // rank) alone, so a resumed run draws exactly what the original did.
@@ -282,23 +295,27 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     sampler.set_epoch(static_cast<std::size_t>(epoch));
     std::vector<std::size_t> indices = sampler.indices();
     if (options_.max_steps() > 0) {
-      auto cap = static_cast<std::size_t>(options_.max_steps()) * lo.batch_size();
+      auto cap =
+          static_cast<std::size_t>(options_.max_steps()) * lo.batch_size();
       if (indices.size() > cap) indices.resize(cap);
     }
-    if constexpr (requires { hooks.on_epoch_begin(epoch); }) hooks.on_epoch_begin(epoch);
+    if constexpr (requires { hooks.on_epoch_begin(epoch); })
+      hooks.on_epoch_begin(epoch);
     module.train();
     auto batches = loader.epoch(indices, static_cast<std::size_t>(epoch));
     if (multi) {
       // Uneven inputs would leave the ranks with more batches waiting in a
       // gradient all-reduce nobody else joins: refuse before the epoch.
-      auto counts = dist::all_gather_value(group_, static_cast<int64_t>(batches.size()));
+      auto counts =
+          dist::all_gather_value(group_, static_cast<int64_t>(batches.size()));
       for (int r = 0; r < world; ++r) {
         if (counts[r] != counts[0]) {
           throw UsageError(ddpkit::detail::cat(
               "epoch ", epoch + 1, ": rank ", r, " has ", counts[r],
               " batches but rank 0 has ", counts[0],
               " (uneven inputs would hang DDP); use a sampler that gives "
-              "every rank the same number of samples, e.g. DistributedSampling"));
+              "every rank the same number of samples, e.g. "
+              "DistributedSampling"));
         }
       }
     }
@@ -316,9 +333,10 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         at::autocast::set_enabled(true);
 #endif
         const double scale = loss_scale_;
-        o = engine_.forward_backward(x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
-          return loss_fn_(a.to(torch::kFloat32), b) * scale;
-        });
+        o = engine_.forward_backward(
+            x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
+              return loss_fn_(a.to(torch::kFloat32), b) * scale;
+            });
 #ifdef DDPKIT_HAS_CUDA
         at::autocast::set_enabled(false);
         at::autocast::clear_cache();
@@ -329,10 +347,12 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         for (auto& p : module.parameters()) {
           if (!p.grad().defined()) continue;
           p.mutable_grad().div_(scale);
-          if (!torch::isfinite(p.grad()).all().template item<bool>()) overflow = 1;
+          if (!torch::isfinite(p.grad()).all().template item<bool>())
+            overflow = 1;
         }
         if (Parallel::is_multi_process) {
-          overflow = dist::all_reduce_value(group_, overflow, dist::Reduce::max);
+          overflow =
+              dist::all_reduce_value(group_, overflow, dist::Reduce::max);
         }
         if (overflow) {
           loss_scale_ /= 2;
@@ -354,13 +374,16 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
       count += n;
       ++step;
       double secs = std::chrono::duration<double>(clock::now() - t0).count();
-      progress.step(step, loss_sum / count, secs > 0 ? count * world / secs : 0);
+      progress.step(step, loss_sum / count,
+                    secs > 0 ? count * world / secs : 0);
       if constexpr (requires { hooks.on_step_end(StepInfo{}); }) {
-        hooks.on_step_end(StepInfo{epoch, step, o.loss.template item<double>()});
+        hooks.on_step_end(
+            StepInfo{epoch, step, o.loss.template item<double>()});
       }
     }
     // Training metrics over every rank's samples.
-    auto t = torch::tensor({loss_sum, correct, count}, torch::kFloat64).to(group_.device());
+    auto t = torch::tensor({loss_sum, correct, count}, torch::kFloat64)
+                 .to(group_.device());
     if (multi) dist::all_reduce(group_, t);
     t = t.cpu();
     auto ev = evaluate(val, eval_transform, lo);
@@ -392,8 +415,8 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     progress.end_epoch(m);
     if (is_main()) {
       if (options_.checkpoints()) {
-        save_checkpoint(out / "checkpoints" / "last.pt", epoch + 1, result.history,
-                        best, best_epoch, bad_epochs);
+        save_checkpoint(out / "checkpoints" / "last.pt", epoch + 1,
+                        result.history, best, best_epoch, bad_epochs);
         if (improved) {
           save_checkpoint(out / "checkpoints" / "best.pt", epoch + 1,
                           result.history, best, best_epoch, bad_epochs);
@@ -422,7 +445,8 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
   result.best_val_acc = std::max(best, 0.0);
   result.best_epoch = best_epoch;
   result.epochs_run = static_cast<int>(result.history.size());
-  result.total_seconds = std::chrono::duration<double>(clock::now() - fit_start).count();
+  result.total_seconds =
+      std::chrono::duration<double>(clock::now() - fit_start).count();
   if (is_main()) write_summary(result, nullptr);
   return result;
 }
