@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -15,7 +16,6 @@
 #include <range/v3/view/concat.hpp>
 #include <range/v3/view/cycle.hpp>
 #include <range/v3/view/drop.hpp>
-#include <range/v3/view/iota.hpp>
 #include <range/v3/view/slice.hpp>
 #include <range/v3/view/stride.hpp>
 #include <range/v3/view/take.hpp>
@@ -50,6 +50,14 @@ inline std::vector<std::size_t> seeded_permutation(std::size_t n,
                               torch::TensorOptions(torch::kInt64));
   const int64_t* p = perm.data_ptr<int64_t>();
   return std::vector<std::size_t>(p, p + n);
+}
+
+/// 0, 1, ..., n-1. (std::iota: `views::iota | to<vector>` trips a false
+/// -Waggressive-loop-optimizations warning in GCC 12.)
+inline std::vector<std::size_t> identity_permutation(std::size_t n) {
+  std::vector<std::size_t> v(n);
+  std::iota(v.begin(), v.end(), std::size_t{0});
+  return v;
 }
 
 /// Shared cursor logic: hands out `indices_` in chunks of at most n, and
@@ -119,8 +127,7 @@ class SequentialSampling : public detail::IndexCursor<SequentialSampling> {
   }
   void reset(c10::optional<std::size_t> new_size = c10::nullopt) {
     if (new_size) n_ = *new_size;
-    indices_ =
-        ranges::views::iota(std::size_t{0}, n_) | ranges::to<std::vector>();
+    indices_ = detail::identity_permutation(n_);
     position_ = 0;
   }
   void set_epoch(std::size_t epoch) {
@@ -211,7 +218,7 @@ class DistributedSampling : public detail::IndexCursor<DistributedSampling> {
     std::vector<std::size_t> all =
         opts_.shuffle()
             ? detail::seeded_permutation(n_, spec_.seed + epoch_)
-            : rv::iota(std::size_t{0}, n_) | ranges::to<std::vector>();
+            : detail::identity_permutation(n_);
     const auto total = total_size();
     std::vector<std::size_t> sized;
     if (total <= all.size()) {
