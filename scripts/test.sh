@@ -5,6 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+if [[ "${1:-}" == "--sanitize" ]]; then
+  # The unit and multi-process suites under AddressSanitizer + UBSan
+  # (CMakePresets.json "asan-ubsan"; ~10 min to build on 2 cores, so not
+  # part of the default run).
+  cmake --preset asan-ubsan
+  cmake --build --preset asan-ubsan -j "${DDPKIT_JOBS:-$(nproc)}"
+  exec ctest --preset asan-ubsan -j "${DDPKIT_JOBS:-$(nproc)}" --output-on-failure
+fi
 build=${DDPKIT_BUILD_DIR:-build}
 jobs=${DDPKIT_JOBS:-$(nproc)}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
