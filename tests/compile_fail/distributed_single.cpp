@@ -1,3 +1,5 @@
-// Must not compile: a DistributedSampling shard with one process sees part of the data.
+// Must not compile: a DistributedSampling shard with one process sees part of
+// the data.
 #include <ddpkit/ddpkit.hpp>
-ddpkit::Trainer<ddpkit::nn::CifarNet, ddpkit::SingleDevice, ddpkit::DistributedSampling, ddpkit::PlainBN>* t;
+ddpkit::Trainer<ddpkit::nn::CifarNet, ddpkit::SingleDevice,
+                ddpkit::DistributedSampling, ddpkit::PlainBN>* t;

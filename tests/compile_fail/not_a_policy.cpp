@@ -4,4 +4,5 @@ struct MyParallel {
   static constexpr bool is_multi_process = false;
   static constexpr bool is_multi_replica = false;
 };
-ddpkit::Trainer<ddpkit::nn::CifarNet, MyParallel, ddpkit::RandomSampling, ddpkit::PlainBN>* t;
+ddpkit::Trainer<ddpkit::nn::CifarNet, MyParallel, ddpkit::RandomSampling,
+                ddpkit::PlainBN>* t;

@@ -1,3 +1,4 @@
 // Must not compile: SyncBN needs several processes.
 #include <ddpkit/ddpkit.hpp>
-ddpkit::Trainer<ddpkit::nn::CifarNet, ddpkit::SingleDevice, ddpkit::RandomSampling, ddpkit::SyncBN>* t;
+ddpkit::Trainer<ddpkit::nn::CifarNet, ddpkit::SingleDevice,
+                ddpkit::RandomSampling, ddpkit::SyncBN>* t;

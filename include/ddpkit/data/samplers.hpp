@@ -216,9 +216,8 @@ class DistributedSampling : public detail::IndexCursor<DistributedSampling> {
     namespace rv = ranges::views;
     if (new_size) n_ = *new_size;
     std::vector<std::size_t> all =
-        opts_.shuffle()
-            ? detail::seeded_permutation(n_, spec_.seed + epoch_)
-            : detail::identity_permutation(n_);
+        opts_.shuffle() ? detail::seeded_permutation(n_, spec_.seed + epoch_)
+                        : detail::identity_permutation(n_);
     const auto total = total_size();
     std::vector<std::size_t> sized;
     if (total <= all.size()) {
