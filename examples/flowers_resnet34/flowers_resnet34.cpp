@@ -13,6 +13,8 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #if defined(DDPKIT_MODE_DDP)
 using Mode = ddpkit::DDP;
@@ -92,8 +94,24 @@ int main(int argc, char** argv) {
         fs::create_directories(out);
         auto folder = ddpkit::data::read_image_folder(
             root,
-            ddpkit::data::ImageFolderOptions().seed(0).class_indices_json(
-                group.is_main() ? out / "class_indices.json" : fs::path()));
+            ddpkit::data::ImageFolderOptions().seed(0).class_indices_json(""));
+        if (group.is_main()) {
+          // class_indices.json maps the model's outputs to names: a run that
+          // would change it under existing weights/checkpoints is refused.
+          const auto json = ddpkit::data::class_indices_json(folder.classes);
+          const auto path = out / "class_indices.json";
+          if (fs::exists(path)) {
+            std::ifstream in(path);
+            std::string old((std::istreambuf_iterator<char>(in)), {});
+            if (old != json) {
+              throw ddpkit::UsageError(
+                  path.string() + " lists other classes than " + root.string() +
+                  " holds; use another --out (or remove the old run's folder)");
+            }
+          } else {
+            std::ofstream(path) << json;
+          }
+        }
         if (static_cast<int>(folder.classes.size()) != num_classes &&
             group.is_main()) {
           std::printf(
