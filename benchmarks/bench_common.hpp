@@ -230,6 +230,15 @@ auto with_model(const std::string& name, F&& f) {
   throw std::runtime_error("unknown model " + name);
 }
 
+/// "1,2,4" -> {1, 2, 4} (the --worlds style flags).
+inline std::vector<int> parse_ints(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));
+  return out;
+}
+
 inline int64_t gradient_bytes(torch::nn::Module& m) {
   int64_t b = 0;
   for (auto& p : m.parameters()) {

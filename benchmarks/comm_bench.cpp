@@ -178,21 +178,13 @@ void register_point(const std::string& name, int world,
       ->Unit(benchmark::kMicrosecond);
 }
 
-std::vector<int> parse_ints(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));
-  return out;
-}
-
 void register_all(const b::Args& o) {
   const bool quick = o.has("quick");
   const int64_t max_bytes =
       static_cast<int64_t>(o.num("max-mib", quick ? 64 : 256)) * kMiB;
   std::vector<std::string> q;
   if (quick) q.push_back("--quick");
-  for (int w : parse_ints(o.str("worlds", "2"))) {
+  for (int w : b::parse_ints(o.str("worlds", "2"))) {
     if (w > b::max_world() || w < 2) continue;
     auto args = q;
     args.push_back("--task=bandwidth");

@@ -268,14 +268,6 @@ void local_step(benchmark::State& st, Model model, Local kind,
   });
 }
 
-std::vector<int> parse_ints(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));
-  return out;
-}
-
 bool wants(const std::string& sections, const std::string& s) {
   return sections == "all" ||
          ("," + sections + ",").find("," + s + ",") != std::string::npos;
@@ -349,7 +341,7 @@ void register_all(const b::Args& o) {
   }
   if (wants(sections, "scaling")) {
     for (auto& m : scaling_models) {
-      for (int w : parse_ints(o.str("worlds", "1,2,4,8"))) {
+      for (int w : b::parse_ints(o.str("worlds", "1,2,4,8"))) {
         if (w > b::max_world()) continue;
         b::register_world(
             "scaling/" + m.label() + "/world:" + std::to_string(w), w,
