@@ -3,9 +3,6 @@
 // errors that name the file and the first mismatching key.
 #pragma once
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -13,28 +10,14 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 
 namespace ddpkit::train {
 
-namespace detail {
-
-inline void fsync_path(const std::filesystem::path& p, bool directory) {
-  int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-}  // namespace detail
-
-/// Test hook: called between the temporary file's flush and the rename.
-inline std::function<void()>& before_rename_hook() {
-  static std::function<void()> hook;
-  return hook;
-}
+/// Test hook: called between the temporary file's fsync and the rename.
+using ddpkit::detail::before_rename_hook;
 
 /// Writes `archive` to `path` atomically: `path.tmp` first, fsync, rename.
 /// Readers see the old file or the new one, never a partial one.
@@ -58,14 +41,7 @@ inline void atomic_save(torch::serialize::OutputArchive& archive,
                                          tmp.string(), ": ",
                                          e.what_without_backtrace()));
   }
-  detail::fsync_path(tmp, false);
-  if (before_rename_hook()) before_rename_hook()();
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    throw UsageError(ddpkit::detail::cat("cannot rename ", tmp.string(), " to ",
-                                         path.string(), ": ", ec.message()));
-  }
-  detail::fsync_path(path.parent_path(), true);
+  ddpkit::detail::commit_file(tmp, path);
 }
 
 /// Reads a checkpoint archive, turning libtorch's errors into one that names

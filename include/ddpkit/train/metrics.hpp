@@ -18,6 +18,7 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
 
 namespace ddpkit::train {
@@ -66,32 +67,6 @@ inline std::string json_escape(const std::string& s) {
   return out;
 }
 
-/// Writes `text` to `path` through a temporary file and a rename.
-inline void write_atomically(const std::filesystem::path& path,
-                             const std::string& text) {
-  auto tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) {
-      throw UsageError(ddpkit::detail::cat(
-          "cannot write ", tmp.string(), " (is the output folder writable?)"));
-    }
-    out << text;
-    out.flush();
-    if (!out) {
-      throw UsageError(
-          ddpkit::detail::cat("writing ", tmp.string(), " failed"));
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    throw UsageError(ddpkit::detail::cat("cannot rename ", tmp.string(), ": ",
-                                         ec.message()));
-  }
-}
-
 }  // namespace detail
 
 inline std::string to_json(const EpochMetrics& m) {
@@ -119,8 +94,8 @@ inline void write_metrics_files(const std::filesystem::path& out,
            "," + num(m.lr) + "," + num(m.seconds) + "," +
            num(m.images_per_second) + "\n";
   }
-  detail::write_atomically(out / "metrics.jsonl", jsonl);
-  detail::write_atomically(out / "metrics.csv", csv);
+  ddpkit::detail::write_atomically(out / "metrics.jsonl", jsonl);
+  ddpkit::detail::write_atomically(out / "metrics.csv", csv);
 }
 
 /// Key/value pairs of a flat JSON object, written in order.

@@ -233,7 +233,7 @@ void DDPKIT_TRAINER::write_summary(const FitResult& r,
   }
   j.add("total_seconds", r.total_seconds)
       .add("images_per_second", seconds > 0 ? images / seconds : 0.0);
-  detail::write_atomically(
+  ddpkit::detail::write_atomically(
       std::filesystem::path(options_.out_dir()) / "summary.json", j.str());
 }
 
@@ -429,7 +429,8 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         auto path = out / rel;
         fs::create_directories(path.parent_path());
         auto bytes = torch::pickle_save(c10::IValue(nn::state_dict(module)));
-        detail::write_atomically(path, std::string(bytes.begin(), bytes.end()));
+        ddpkit::detail::write_atomically(
+            path, std::string(bytes.begin(), bytes.end()));
       }
       write_metrics_files(out, result.history);
     }
