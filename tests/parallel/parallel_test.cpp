@@ -35,6 +35,23 @@ test::SmallNet reference(int world, bool bn, int64_t per_rank = kPerRank) {
   return net;
 }
 
+/// Whether every gradient lies inside one of the reducer's buckets (the
+/// averaged gradients were not copied out).
+template <class Reducer>
+bool grads_are_bucket_views(Reducer& reducer, torch::nn::Module& net) {
+  for (auto& p : net.parameters()) {
+    if (!p.grad().defined()) return false;
+    auto* at = static_cast<const char*>(p.grad().data_ptr());
+    bool inside = false;
+    for (const auto& b : reducer.buckets()) {
+      auto* lo = static_cast<const char*>(b.flat.data_ptr());
+      inside |= at >= lo && at < lo + b.flat.nbytes();
+    }
+    if (!inside) return false;
+  }
+  return true;
+}
+
 template <class Policy>
 int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
   auto g = test::worker_group();
@@ -55,7 +72,17 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
     auto [x, y] = test::global_batch(s, w * kPerRank);
     auto xr = x.narrow(0, r * kPerRank, kPerRank);
     auto yr = y.narrow(0, r * kPerRank, kPerRank);
-    opt.zero_grad();
+    // How gradients are zeroed must not matter: in place by the optimizer
+    // (libtorch 1.13's default), set to None (2.x's default), or by the
+    // reducer (one fill per bucket).
+    const auto zero = env_or("T_ZERO", "opt");
+    if (zero == "none") {
+      net->zero_grad(/*set_to_none=*/true);
+    } else if (zero == "reducer" && eng.reducer()) {
+      eng.reducer()->zero_grad();
+    } else {
+      opt.zero_grad();
+    }
     if (nosync) {
       // Two micro-batches of half the rank's batch; the loss of each is
       // halved so the accumulated gradient is the joined batch's mean.
@@ -72,6 +99,10 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
                            loss_half);
     } else {
       eng.forward_backward(xr, yr, test::ce_loss);
+    }
+    if (eng.reducer() && !grads_are_bucket_views(*eng.reducer(), *net)) {
+      std::fprintf(stderr, "rank %d: a gradient is not a bucket view\n", r);
+      return 11;
     }
     opt.step();
   }
@@ -197,6 +228,21 @@ TEST_SUITE("parallel") {
     double d = test::max_state_diff(*net, *ref);
     MESSAGE("no_sync: max relative difference ", d);
     CHECK(d <= 1e-5);
+  }
+
+  TEST_CASE(
+      "DDP: gradients stay bucket views however they are zeroed, with the "
+      "same result") {
+    auto ref = reference(2, false);
+    for (std::string zero : {"none", "reducer"}) {
+      CAPTURE(zero);
+      TempDir dir;
+      REQUIRE(run_workers("ddp_train", 2, dir.str(), {{"T_ZERO", zero}}).ok());
+      auto net = load_net(dir / "net0.pt", false);
+      double d = test::max_state_diff(*net, *ref);
+      MESSAGE("zeroing by ", zero, ": max relative difference ", d);
+      CHECK(d <= 1e-5);
+    }
   }
 
   TEST_CASE("DDP: 1 KiB and 25 MiB buckets give identical results") {

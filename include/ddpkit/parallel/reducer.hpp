@@ -1,17 +1,24 @@
 // ddpkit's DDP gradient reducer (c10d's reducer.hpp is not usable with
-// Debian's libtorch). Gradients are copied into flat buckets, in reverse
-// parameter order, as backward produces them; a full bucket starts its
-// all-reduce at once, so communication overlaps the rest of backward.
+// Debian's libtorch). Parameters are grouped into flat buckets in reverse
+// order (backward produces the last layers' gradients first), and each
+// parameter's `.grad` is a view into its bucket, so autograd accumulates
+// straight into the buffer that is all-reduced (PyTorch's
+// `gradient_as_bucket_view`): no copy in, no write-back. A full bucket starts
+// its all-reduce at once, so communication overlaps the rest of backward.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include "ddpkit/detail/error.hpp"
@@ -28,6 +35,10 @@ struct ReducerOptions {
   /// The first bucket (the last layers' gradients, ready first) is smaller,
   /// so communication starts early.
   TORCH_ARG(int64_t, first_bucket_cap_bytes) = 1024 * 1024;
+  /// The last bucket holds the first layers' gradients, which are ready only
+  /// when backward ends: everything in it is communication nobody overlaps.
+  /// Capping it keeps that tail short (0: no separate cap).
+  TORCH_ARG(int64_t, last_bucket_cap_bytes) = 1024 * 1024;
   /// Parameters that get no gradient in a step are treated as zero (true),
   /// or are an error naming them (false).
   TORCH_ARG(bool, find_unused_parameters) = false;
@@ -38,12 +49,36 @@ struct Bucket {
   std::vector<std::size_t> params;  // indices into the reducer's parameters
   std::vector<int64_t> offsets;
   torch::Tensor flat;
+  std::vector<torch::Tensor> views;  // per parameter, shaped like it
   torch::Tensor scratch;  // the strategy's own buffer (e.g. fp16 copy)
   std::size_t pending = 0;
   bool launched = false;
   dist::compat::WorkPtr work;
   Trace::clock::time_point launch_time;
 };
+
+namespace detail {
+
+/// Runs after a parameter's AccumulateGrad node, i.e. once its `.grad` holds
+/// this backward's contribution. `target` is cleared when the reducer goes.
+class AccumulatedHook : public torch::autograd::FunctionPostHook {
+ public:
+  using Callback = std::function<void(std::size_t)>;
+  AccumulatedHook(std::shared_ptr<Callback> target, std::size_t index)
+      : target_(std::move(target)), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (*target_) (*target_)(index_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<Callback> target_;
+  std::size_t index_;
+};
+
+}  // namespace detail
 
 /// Averages the gradients of `params` across the ranks of `group` during
 /// backward. Construct it once; every `backward()` afterwards leaves averaged
@@ -72,6 +107,7 @@ class Reducer {
                                         : "parameter " + std::to_string(i));
     }
     build_buckets();
+    adopt_existing_grads();
     install_hooks();
   }
 
@@ -79,11 +115,9 @@ class Reducer {
   Reducer& operator=(const Reducer&) = delete;
 
   ~Reducer() {
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      try {
-        params_[i].remove_hook(hooks_[i]);
-      } catch (...) {
-      }
+    *target_ = nullptr;
+    for (std::size_t i = 0; i < accumulators_.size(); ++i) {
+      accumulators_[i]->del_post_hook(hook_keys_[i]);
     }
   }
 
@@ -123,10 +157,38 @@ class Reducer {
   bool sync_enabled() const {
     return enabled_;
   }
+  /// Zeroes every gradient in place: one fill per bucket, and `.grad`
+  /// stays the bucket view (an optimizer's `zero_grad` that sets gradients
+  /// to None makes the next backward copy them back in).
+  void zero_grad() {
+    torch::NoGradGuard no_grad;
+    for (auto& b : buckets_) b.flat.zero_();
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      auto& g = params_[i].mutable_grad();
+      if (!g.defined() || !is_view_of(g, view_of(i))) g = view_of(i);
+    }
+  }
 
  private:
   void build_buckets() {
     // Reverse order: backward produces the last layers' gradients first.
+    // The first parameters (ready last) get a bucket of their own, capped by
+    // last_bucket_cap_bytes, so the communication left after backward is
+    // small.
+    const std::size_t n = params_.size();
+    auto bytes_of = [&](std::size_t k) {
+      return params_[k].numel() *
+             static_cast<int64_t>(params_[k].element_size());
+    };
+    std::size_t tail = 0;  // params [0, tail) form the last bucket
+    if (opts_.last_bucket_cap_bytes() > 0) {
+      const int64_t tail_cap =
+          std::min(opts_.last_bucket_cap_bytes(), opts_.bucket_cap_bytes());
+      int64_t sum = 0;
+      while (tail < n && (tail == 0 || sum + bytes_of(tail) <= tail_cap)) {
+        sum += bytes_of(tail++);
+      }
+    }
     Bucket current;
     int64_t bytes = 0;
     int64_t cap = opts_.first_bucket_cap_bytes();
@@ -136,19 +198,30 @@ class Reducer {
           current.offsets.back() + params_[current.params.back()].numel();
       current.flat =
           torch::zeros({total}, params_[current.params.front()].options());
+      for (std::size_t j = 0; j < current.params.size(); ++j) {
+        const auto& p = params_[current.params[j]];
+        // detach(): a plain alias of the bucket, not an autograd view, so
+        // optimizers may detach_() it in place like any gradient.
+        current.views.push_back(
+            current.flat.narrow(0, current.offsets[j], p.numel())
+                .view(p.sizes())
+                .detach());
+      }
       buckets_.push_back(std::move(current));
       current = Bucket{};
       bytes = 0;
       cap = opts_.bucket_cap_bytes();
     };
-    for (std::size_t k = params_.size(); k-- > 0;) {
+    for (std::size_t k = n; k-- > 0;) {
       const auto& p = params_[k];
-      int64_t pbytes = p.numel() * static_cast<int64_t>(p.element_size());
+      int64_t pbytes = bytes_of(k);
       bool other_kind =
           !current.params.empty() &&
           (params_[current.params.front()].dtype() != p.dtype() ||
            params_[current.params.front()].device() != p.device());
-      if (other_kind || (!current.params.empty() && bytes + pbytes > cap)) {
+      bool enters_tail = k + 1 == tail && k + 1 < n;
+      if (other_kind || enters_tail ||
+          (!current.params.empty() && bytes + pbytes > cap)) {
         close();
       }
       int64_t offset =
@@ -160,23 +233,40 @@ class Reducer {
       bytes += pbytes;
     }
     close();
-    slot_bucket_.assign(params_.size(), 0);
-    slot_offset_.assign(params_.size(), 0);
+    slot_bucket_.assign(n, 0);
+    slot_index_.assign(n, 0);
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       for (std::size_t j = 0; j < buckets_[b].params.size(); ++j) {
         slot_bucket_[buckets_[b].params[j]] = b;
-        slot_offset_[buckets_[b].params[j]] = buckets_[b].offsets[j];
+        slot_index_[buckets_[b].params[j]] = j;
       }
     }
-    ready_.assign(params_.size(), false);
+    ready_.assign(n, false);
     reset_step();
   }
 
-  void install_hooks() {
-    hooks_.resize(params_.size());
+  // Gradients that exist already (e.g. accumulated before DDP was set up)
+  // move into the buckets; undefined ones stay undefined until backward.
+  void adopt_existing_grads() {
+    torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      hooks_[i] = params_[i].register_hook(
-          [this, i](const torch::Tensor& grad) { on_grad(i, grad); });
+      if (params_[i].grad().defined()) adopt_grad(i);
+    }
+  }
+
+  void install_hooks() {
+    *target_ = [this](std::size_t i) { on_accumulated(i); };
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+      if (!acc) {
+        throw Error(ddpkit::detail::cat(
+            "DDP: parameter ", names_[i],
+            " is not a leaf tensor (it has a grad_fn); DDP averages the "
+            "gradients of leaf parameters only"));
+      }
+      hook_keys_.push_back(acc->add_post_hook(
+          std::make_unique<detail::AccumulatedHook>(target_, i)));
+      accumulators_.push_back(std::move(acc));
     }
   }
 
@@ -189,38 +279,45 @@ class Reducer {
     }
     next_to_launch_ = 0;
     callback_queued_ = false;
-    local_accumulation_ = false;
   }
 
-  torch::Tensor view_of(std::size_t i) {
-    auto& b = buckets_[slot_bucket_[i]];
-    return b.flat.narrow(0, slot_offset_[i], params_[i].numel())
-        .view(params_[i].sizes());
+  torch::Tensor& view_of(std::size_t i) {
+    return buckets_[slot_bucket_[i]].views[slot_index_[i]];
   }
 
-  // Runs on the autograd thread as parameter i's gradient arrives (before it
-  // is accumulated into .grad).
-  void on_grad(std::size_t i, const torch::Tensor& grad) {
-    if (!enabled_) {
-      local_accumulation_ = true;
-      return;
+  static bool is_view_of(const torch::Tensor& g, const torch::Tensor& view) {
+    return g.data_ptr() == view.data_ptr() && g.sizes() == view.sizes() &&
+           g.strides() == view.strides() && g.dtype() == view.dtype();
+  }
+
+  // Makes parameter i's .grad its bucket view, keeping what .grad holds.
+  // Free when .grad is the view already (the usual case: autograd
+  // accumulated into it); one copy after the gradient was set to None or
+  // replaced.
+  void adopt_grad(std::size_t i) {
+    auto& view = view_of(i);
+    auto& g = params_[i].mutable_grad();
+    if (!g.defined()) {
+      view.zero_();
+      g = view;
+    } else if (!is_view_of(g, view)) {
+      view.copy_(g);
+      g = view;
     }
+  }
+
+  // Runs on the autograd thread after parameter i's AccumulateGrad: .grad
+  // holds everything accumulated so far, including earlier no_sync steps.
+  void on_accumulated(std::size_t i) {
+    if (!enabled_) return;  // no_sync: the sum stays in .grad
     if (!callback_queued_) {
       callback_queued_ = true;
       torch::autograd::Engine::get_default_engine().queue_callback(
           [this] { finalize(); });
     }
-    if (ready_[i]) return;  // a second backward through the same graph
+    if (ready_[i]) return;
     torch::NoGradGuard no_grad;
-    auto view = view_of(i);
-    view.copy_(grad);
-    // After no_sync steps, .grad holds what was accumulated locally: the
-    // average must cover it too. (Otherwise .grad is zero or undefined after
-    // zero_grad, and adding it would be a wasted pass over the gradients.)
-    if (local_accumulation_) {
-      const auto& acc = params_[i].grad();
-      if (acc.defined()) view.add_(acc);
-    }
+    adopt_grad(i);
     mark_ready(i);
   }
 
@@ -267,18 +364,14 @@ class Reducer {
                                         ". Either use them in forward or set "
                                         "find_unused_parameters(true)."));
       }
+      // Unused here, maybe used on another rank: send what .grad holds
+      // (zero, or what earlier no_sync steps accumulated).
       for (auto i : missing) {
-        auto view = view_of(i);
-        const auto& acc = params_[i].grad();
-        if (acc.defined()) {
-          view.copy_(acc);
-        } else {
-          view.zero_();
-        }
+        adopt_grad(i);
         mark_ready(i);
       }
     }
-    // Wait for every bucket and write the averages back.
+    // Wait for every bucket; the averages land in place, in .grad.
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
       auto& b = buckets_[bi];
       if (!b.launched) {
@@ -289,15 +382,6 @@ class Reducer {
       if (trace_) {
         trace_->record("allreduce bucket " + std::to_string(bi), b.launch_time,
                        Trace::clock::now(), 1);
-      }
-      for (std::size_t j = 0; j < b.params.size(); ++j) {
-        auto& p = params_[b.params[j]];
-        auto view = b.flat.narrow(0, b.offsets[j], p.numel()).view(p.sizes());
-        if (p.grad().defined()) {
-          p.mutable_grad().copy_(view);
-        } else {
-          p.mutable_grad() = view.clone();
-        }
       }
     }
     auto t1 = Trace::clock::now();
@@ -311,16 +395,17 @@ class Reducer {
   Trace* trace_;
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
-  std::vector<unsigned> hooks_;
+  std::shared_ptr<detail::AccumulatedHook::Callback> target_ =
+      std::make_shared<detail::AccumulatedHook::Callback>();
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> slot_bucket_;
-  std::vector<int64_t> slot_offset_;
+  std::vector<std::size_t> slot_index_;
   std::vector<bool> ready_;
   std::size_t next_to_launch_ = 0;
   bool callback_queued_ = false;
   bool enabled_ = true;
-  // A backward ran under no_sync since the last synced one.
-  bool local_accumulation_ = false;
   double last_wait_seconds_ = 0;
 };
 
