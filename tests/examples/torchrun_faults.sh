@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# torchrun_faults.sh BINARY OUT_DIR kill|restart [args...]: faults under
+# PyTorch's own launcher (torchrun, from Debian's python3-torch), 2 ranks.
+#
+#   kill     SIGKILL rank 1 mid-epoch: torchrun and rank 0 must exit non-zero
+#            within 10 s, torchrun's report must name rank 1 and signal 9,
+#            and no rank may survive.
+#   restart  torchrun --max_restarts 1 with --resume auto; SIGKILL rank 1
+#            after epoch 2's checkpoint: torchrun restarts the group, the
+#            ranks resume from last.pt and finish; the final weights must
+#            equal an uninterrupted run's, bit for bit.
+#
+# Prints the time to detection. Exits 77 (skip) without a Python with torch.
+set -euo pipefail
+bin=$1 out=$2 mode=$3
+shift 3
+py=""
+for p in /usr/bin/python3 python3; do
+  if "$p" -c "import torch.distributed.run" 2>/dev/null; then py=$p; break; fi
+done
+[[ -n $py ]] || { echo "no python3 with torch: skipped"; exit 77; }
+rm -rf "$out"
+mkdir -p "$out"
+tpid=""
+cleanup() {  # on failure: stop torchrun and its workers
+  [[ -n $tpid ]] || return 0
+  local kids
+  kids=$(pgrep -P "$tpid" || true)
+  kill -9 "$tpid" $kids 2>/dev/null || true
+}
+trap cleanup EXIT
+
+torchrun() {  # torchrun flags... binary args... (run with &: $! is torchrun)
+  # --redirects 2 --tee 2: Debian's torchrun 1.13 on Python 3.11 cannot parse
+  # the default "0" and crashes.
+  exec "$py" -m torch.distributed.run --standalone --nproc_per_node=2 \
+    --redirects 2 --tee 2 "$@"
+}
+
+# The pid of the worker with RANK=$1 among torchrun's children.
+rank_pid() {
+  local c
+  for c in $(pgrep -P "$tpid" || true); do
+    if tr '\0' '\n' < "/proc/$c/environ" 2>/dev/null | grep -qx "RANK=$1"; then
+      echo "$c"; return 0
+    fi
+  done
+  return 1
+}
+
+# Waits until metrics.jsonl of $1 has at least $2 rows (epochs done).
+wait_epochs() {
+  local dir=$1 n=$2 i
+  for i in $(seq 1 1200); do
+    if [[ -f $dir/metrics.jsonl ]] && (( $(grep -c '"epoch"' "$dir/metrics.jsonl") >= n )); then
+      return 0
+    fi
+    kill -0 "$tpid" 2>/dev/null || { echo "torchrun ended before epoch $n"; return 1; }
+    sleep 0.1
+  done
+  echo "timed out waiting for epoch $n"; return 1
+}
+
+now() { date +%s.%N; }
+
+case $mode in
+kill)
+  log=$out/torchrun.log
+  torchrun --max_restarts 0 --no_python "$bin" --out "$out/run" --epochs 50 "$@" > "$log" 2>&1 &
+  tpid=$!
+  wait_epochs "$out/run" 1
+  victim=$(rank_pid 1) || { echo "rank 1 not found"; exit 1; }
+  others=$(pgrep -P "$tpid" | grep -vx "$victim" | tr '\n' ' ')
+  t0=$(now)
+  kill -9 "$victim"
+  rc=0
+  wait "$tpid" || rc=$?
+  t1=$(now)
+  tpid=""
+  secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+  cat "$log" | tail -n 40
+  echo "rank 1 (pid $victim) SIGKILLed mid-epoch; torchrun exited $rc after $secs s"
+  [[ $rc != 0 ]] || { echo "FAIL: torchrun exited 0"; exit 1; }
+  awk -v s="$secs" 'BEGIN { exit !(s < 10) }' || { echo "FAIL: took $secs s (limit 10)"; exit 1; }
+  grep -Eq "rank: 1 .*exitcode: -9|Signal 9 \(SIGKILL\) received by PID $victim" "$log" \
+    || { echo "FAIL: torchrun's report does not name rank 1 and SIGKILL"; exit 1; }
+  for p in $victim $others; do
+    if kill -0 "$p" 2>/dev/null; then echo "FAIL: pid $p survived"; exit 1; fi
+  done
+  echo "torchrun kill: ok"
+  ;;
+restart)
+  epochs=4
+  (torchrun --max_restarts 0 --no_python "$bin" --out "$out/ref" --epochs $epochs "$@") \
+    > "$out/ref.log" 2>&1 || { cat "$out/ref.log"; echo "FAIL: reference run"; exit 1; }
+  log=$out/torchrun.log
+  torchrun --max_restarts 1 --monitor_interval 1 --no_python "$bin" --out "$out/run" \
+    --epochs $epochs --resume auto "$@" > "$log" 2>&1 &
+  tpid=$!
+  wait_epochs "$out/run" 2
+  victim=$(rank_pid 1) || { echo "rank 1 not found"; exit 1; }
+  kill -9 "$victim"
+  echo "rank 1 (pid $victim) SIGKILLed after epoch 2"
+  rc=0
+  wait "$tpid" || rc=$?
+  tpid=""
+  tail -n 30 "$log"
+  [[ $rc == 0 ]] || { echo "FAIL: torchrun exited $rc after the restart"; exit 1; }
+  grep -q "resum" "$log" || { echo "FAIL: the restarted ranks did not resume"; exit 1; }
+  [[ $(grep -c '"epoch"' "$out/run/metrics.jsonl") == "$epochs" ]] \
+    || { echo "FAIL: metrics.jsonl does not hold $epochs epochs"; exit 1; }
+  "$py" - "$out/ref/checkpoints/last.pt" "$out/run/checkpoints/last.pt" <<'PY'
+import sys, torch
+a, b = (getattr(torch.jit.load(p), "model") for p in sys.argv[1:3])
+assert a.keys() == b.keys(), "different keys"
+worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+same = all(torch.equal(a[k], b[k]) for k in a)
+print(f"final weights: {len(a)} tensors, max abs difference {worst:g}, bit-identical: {same}")
+sys.exit(0 if same else 1)
+PY
+  echo "torchrun restart + resume: ok"
+  ;;
+*) echo "unknown mode $mode"; exit 2 ;;
+esac
