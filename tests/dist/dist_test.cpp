@@ -437,3 +437,148 @@ TEST_SUITE("dist") {
   }
 
 }  // TEST_SUITE("dist")
+
+// ---- shared-memory all-reduce
+// ---------------------------------------------------
+
+namespace {
+
+torch::Tensor shm_input(int rank, int64_t n, torch::ScalarType dtype) {
+  auto gen = at::detail::createCPUGenerator(1000 * n + rank);
+  if (dtype == torch::kLong) {
+    return torch::randint(-1000000, 1000000, {n}, gen, torch::kLong);
+  }
+  return torch::randn({n}, gen, torch::TensorOptions(dtype));
+}
+
+const std::vector<int64_t> kShmSizes{0, 1, 7, 1000, 786432, 1000003};
+const std::vector<torch::ScalarType> kShmTypes{torch::kFloat, torch::kDouble,
+                                               torch::kLong};
+
+}  // namespace
+
+TEST_SUITE("dist") {
+  // Sums of many sizes (empty, one element, several 2 MiB chunks, odd
+  // lengths) and types; every rank saves its results for the test to
+  // compare bit for bit.
+  DDPKIT_WORKER(shm_allreduce) {
+    auto g = ddpkit::test::worker_group();
+    const bool want_shm = std::getenv("DDPKIT_SHM") == nullptr ||
+                          std::string(std::getenv("DDPKIT_SHM")) == "1";
+    if (static_cast<bool>(g.shm()) != want_shm) {
+      std::fprintf(stderr, "rank %d: shared memory %s\n", g.rank(),
+                   g.shm() ? "on but should be off" : "off but should be on");
+      return 1;
+    }
+    std::vector<torch::Tensor> results;
+    for (auto dtype : kShmTypes) {
+      for (auto n : kShmSizes) {
+        auto t = shm_input(g.rank(), n, dtype);
+        dist::all_reduce(g, t);
+        results.push_back(t);
+      }
+    }
+    // Overlapping asynchronous calls complete in order.
+    std::vector<torch::Tensor> many;
+    std::vector<dist::compat::WorkPtr> works;
+    for (int k = 0; k < 5; ++k) {
+      many.push_back(torch::full({300000}, static_cast<float>(g.rank() + k)));
+      works.push_back(dist::all_reduce_async(g, many.back()));
+    }
+    for (auto& w : works) w->wait();
+    const int n = g.size();
+    for (int k = 0; k < 5; ++k) {
+      float want = static_cast<float>(n * (n - 1) / 2 + n * k);
+      if (!torch::equal(many[k], torch::full({300000}, want))) {
+        std::fprintf(stderr, "rank %d: async call %d wrong\n", g.rank(), k);
+        return 1;
+      }
+    }
+    torch::save(results, (ddpkit::test::worker_dir() /
+                          ("shm" + std::to_string(g.rank()) + ".pt"))
+                             .string());
+    return 0;
+  }
+
+  TEST_CASE(
+      "shared-memory all-reduce: right sums, the same bits on every rank, and "
+      "gloo when turned off") {
+    for (std::string shm : {"1", "0"}) {
+      for (int world : {2, 3}) {
+        CAPTURE(shm);
+        CAPTURE(world);
+        TempDir dir;
+        auto res = run_workers("shm_allreduce", world, dir.str(),
+                               {{"DDPKIT_SHM", shm}});
+        REQUIRE(res.ok());
+        std::vector<std::vector<torch::Tensor>> got(world);
+        for (int r = 0; r < world; ++r) {
+          torch::load(got[r],
+                      (dir / ("shm" + std::to_string(r) + ".pt")).string());
+        }
+        std::size_t k = 0;
+        for (auto dtype : kShmTypes) {
+          for (auto n : kShmSizes) {
+            auto want = shm_input(0, n, dtype).to(torch::kDouble);
+            for (int q = 1; q < world; ++q) {
+              want += shm_input(q, n, dtype).to(torch::kDouble);
+            }
+            CAPTURE(n);
+            CHECK((got[0][k].scalar_type() == dtype));
+            double err = n == 0 ? 0.0
+                                : (got[0][k].to(torch::kDouble) - want)
+                                      .abs()
+                                      .max()
+                                      .item<double>();
+            CHECK(err <= (dtype == torch::kFloat    ? 1e-5
+                          : dtype == torch::kDouble ? 1e-12
+                                                    : 0.0));
+            for (int r = 1; r < world; ++r)
+              CHECK(torch::equal(got[r][k], got[0][k]));
+            ++k;
+          }
+        }
+      }
+    }
+  }
+
+  // Rank 1 leaves cleanly (so the launcher does not stop rank 0) while rank
+  // 0 waits for it in a shared-memory all-reduce.
+  DDPKIT_WORKER(shm_peer_leaves) {
+    auto g = ddpkit::test::worker_group();
+    if (!g.shm()) return 2;
+    if (g.rank() == 1) return 0;
+    auto t0 = std::chrono::steady_clock::now();
+    std::string what = "no error";
+    try {
+      auto t = torch::ones({1000});
+      dist::all_reduce(g, t);
+    } catch (const PeerFailure& e) {
+      what = e.what();
+    }
+    double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count();
+    std::ofstream(ddpkit::test::worker_dir() / "peer.txt") << secs << "\n"
+                                                           << what << "\n";
+    return 0;
+  }
+
+  TEST_CASE(
+      "shared-memory all-reduce: a rank that is gone fails the others "
+      "at once, naming it") {
+    TempDir dir;
+    auto res = run_workers("shm_peer_leaves", 2, dir.str());
+    REQUIRE(res.ok());
+    std::ifstream in(dir / "peer.txt");
+    double secs = -1;
+    std::string line, what;
+    in >> secs;
+    std::getline(in, line);
+    std::getline(in, what);
+    MESSAGE("detected after ", secs, " s: ", what);
+    CHECK(what.find("rank 1 (pid") != std::string::npos);
+    CHECK(what.find("is gone") != std::string::npos);
+    CHECK(secs < 5);
+  }
+}  // TEST_SUITE("dist")

@@ -230,6 +230,16 @@ TEST_SUITE("parallel") {
     CHECK(d <= 1e-5);
   }
 
+  TEST_CASE("DDP over gloo's TCP (shared memory off) equals one process") {
+    TempDir dir;
+    REQUIRE(run_workers("ddp_train", 2, dir.str(), {{"DDPKIT_SHM", "0"}}).ok());
+    auto ref = reference(2, false);
+    auto net = load_net(dir / "net1.pt", false);
+    double d = test::max_state_diff(*net, *ref);
+    MESSAGE("gloo: max relative difference ", d);
+    CHECK(d <= 1e-5);
+  }
+
   TEST_CASE(
       "DDP: gradients stay bucket views however they are zeroed, with the "
       "same result") {

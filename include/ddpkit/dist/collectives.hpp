@@ -51,6 +51,12 @@ inline void check_dense(const torch::Tensor& t, const char* what) {
 /// is left to the caller; see `all_reduce` for the blocking form.
 inline compat::WorkPtr all_reduce_async(const Group& g, torch::Tensor& t,
                                         Reduce op = Reduce::sum) {
+  // Sums of CPU tensors among ranks on one host go through shared memory.
+  // The choice depends only on the tensor and op, the same on every rank.
+  if (g.shm() && (op == Reduce::sum || op == Reduce::mean) &&
+      ShmChannel::eligible(t)) {
+    return g.shm()->all_reduce_sum_async(t);
+  }
   std::vector<torch::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = detail::to_c10d(op);
