@@ -6,9 +6,11 @@
 #include <cstdio>
 #include <fstream>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
 
 namespace ddpkit::parallel {
@@ -55,24 +57,17 @@ class Trace {
   void flush() const {
     if (!enabled()) return;
     std::lock_guard<std::mutex> lock(mu_);
-    std::string tmp = path_ + ".tmp";
-    {
-      std::ofstream out(tmp);
-      if (!out) {
-        throw UsageError(
-            ddpkit::detail::cat("trace file ", tmp, " cannot be written"));
-      }
-      out << "{\"traceEvents\":[\n";
-      for (std::size_t i = 0; i < events_.size(); ++i) {
-        const auto& e = events_[i];
-        out << "{\"name\":\"" << e.name << "\",\"ph\":\"X\",\"ts\":" << e.ts
-            << ",\"dur\":" << e.dur << ",\"pid\":" << rank_
-            << ",\"tid\":" << e.track << "}"
-            << (i + 1 < events_.size() ? ",\n" : "\n");
-      }
-      out << "],\"displayTimeUnit\":\"ms\"}\n";
+    std::ostringstream out;
+    out << "{\"traceEvents\":[\n";
+    for (std::size_t i = 0; i < events_.size(); ++i) {
+      const auto& e = events_[i];
+      out << "{\"name\":\"" << e.name << "\",\"ph\":\"X\",\"ts\":" << e.ts
+          << ",\"dur\":" << e.dur << ",\"pid\":" << rank_
+          << ",\"tid\":" << e.track << "}"
+          << (i + 1 < events_.size() ? ",\n" : "\n");
     }
-    std::rename(tmp.c_str(), path_.c_str());
+    out << "],\"displayTimeUnit\":\"ms\"}\n";
+    ddpkit::detail::write_atomically(path_, out.str());
   }
 
   std::size_t size() const {
