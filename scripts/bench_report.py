@@ -65,12 +65,17 @@ def spread(xs):
 
 # ---------------------------------------------------------------- overhead
 def overhead(res_dir, md, summary):
-    ours = {}  # (model, round) -> {world: entry}
-    for p in sorted(glob.glob(os.path.join(res_dir, "overhead_ddpkit_r*.json"))):
-        for name, b in gb_entries(p):
-            m = re.match(r"overhead/(.+)/world:(\d+)/round:(\d+)", name)
-            if m:
-                ours.setdefault((m[1], int(m[3])), {})[int(m[2])] = b
+    def load_ours(pattern):
+        table = {}  # (model, round) -> {world: entry}
+        for p in sorted(glob.glob(os.path.join(res_dir, pattern))):
+            for name, b in gb_entries(p):
+                m = re.match(r"overhead/(.+)/world:(\d+)/round:(\d+)", name)
+                if m:
+                    table.setdefault((m[1], int(m[3])), {})[int(m[2])] = b
+        return table
+    ours = load_ours("overhead_ddpkit_r*.json")
+    # The same binary with DDPKIT_SHM=0: gloo's loopback TCP, as PyTorch uses.
+    ours_tcp = load_ours("overhead_ddpkittcp_r*.json")
     theirs = {}
     for p in sorted(glob.glob(os.path.join(res_dir, "overhead_pytorch_r*.json"))):
         for r in load(p):
@@ -82,18 +87,23 @@ def overhead(res_dir, md, summary):
               "world-1 engine has no reducer; PyTorch: no DDP wrapper). Ratio of "
               "median step times per round; `min` ratio = fastest step over fastest "
               "step (least disturbed by other jobs); CPU ratio = CPU seconds per "
-              "step of rank 0, all threads.\n")
+              "step of rank 0, all threads. `ddpkit` uses its shared-memory "
+              "all-reduce between ranks on one host (the default); `ddpkit-tcp` is "
+              "the same binary with `DDPKIT_SHM=0`, i.e. gloo over loopback TCP "
+              "like PyTorch.\n")
     md.append("| model | impl | round | world 1 ms | world 2 ms | ratio (median) | ratio (min) | CPU ratio | wait after backward |")
     md.append("|---|---|---|---|---|---|---|---|---|")
     models = sorted({k[0] for k in ours} | {k[0] for k in theirs})
     result = {}
     for model in models:
-        agg = {"ddpkit": [], "pytorch": [], "ddpkit_min": [], "pytorch_min": [],
-               "ddpkit_cpu": [], "pytorch_cpu": [], "ddpkit_wait": []}
+        agg = {k: [] for impl in ("ddpkit", "ddpkit-tcp", "pytorch")
+               for k in (impl, impl + "_min", impl + "_cpu", impl + "_wait")}
         rounds = sorted({k[1] for k in ours if k[0] == model} |
+                        {k[1] for k in ours_tcp if k[0] == model} |
                         {k[1] for k in theirs if k[0] == model})
         for r in rounds:
-            for impl, table in (("ddpkit", ours), ("pytorch", theirs)):
+            for impl, table in (("ddpkit", ours), ("ddpkit-tcp", ours_tcp),
+                                ("pytorch", theirs)):
                 w = table.get((model, r), {})
                 if 1 not in w or 2 not in w:
                     continue
@@ -107,9 +117,9 @@ def overhead(res_dir, md, summary):
                 if cpu:
                     agg[impl + "_cpu"].append(cpu)
                 wait = "–"
-                if impl == "ddpkit":
+                if impl.startswith("ddpkit"):
                     wait = f"{b['wait_ms']:.1f} ms ({100 * b['wait_frac']:.1f}% of step)"
-                    agg["ddpkit_wait"].append(b["wait_frac"])
+                    agg[impl + "_wait"].append(b["wait_frac"])
                 elif "avg_backward_comm_time_ms" in b:
                     wait = (f"PyTorch logs: comm {b['avg_backward_comm_time_ms']:.0f} ms, "
                             f"overlap {b.get('avg_backward_compute_comm_overlap_time_ms', 0):.0f} ms")
@@ -121,8 +131,8 @@ def overhead(res_dir, md, summary):
             summary.setdefault("_ours_world1", {})[model] = first[0]
     md.append("")
     md.append("Side by side (median over rounds, with min/max):\n")
-    md.append("| model | ddpkit ratio | PyTorch ratio | ddpkit min-step ratio | PyTorch min-step ratio | ddpkit CPU ratio | PyTorch CPU ratio | ddpkit wait/step | target ≤ 1.10 and ≤ PyTorch |")
-    md.append("|---|---|---|---|---|---|---|---|---|")
+    md.append("| model | ddpkit ratio | ddpkit-tcp ratio | PyTorch ratio | ddpkit min-step ratio | PyTorch min-step ratio | ddpkit CPU ratio | ddpkit-tcp CPU ratio | PyTorch CPU ratio | ddpkit wait/step | target ≤ 1.10 and ≤ PyTorch |")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for model, agg in result.items():
         ok = None
         if agg["ddpkit"]:
@@ -131,9 +141,11 @@ def overhead(res_dir, md, summary):
             ok = "met" if o <= 1.10 and o <= p else (
                 "≤ PyTorch, > 1.10" if o <= p else
                 ("≤ 1.10, > PyTorch" if o <= 1.10 else "missed"))
-        md.append(f"| {model} | {spread(agg['ddpkit'])} | {spread(agg['pytorch'])} | "
+        md.append(f"| {model} | {spread(agg['ddpkit'])} | {spread(agg['ddpkit-tcp'])} | "
+                  f"{spread(agg['pytorch'])} | "
                   f"{spread(agg['ddpkit_min'])} | {spread(agg['pytorch_min'])} | "
-                  f"{spread(agg['ddpkit_cpu'])} | {spread(agg['pytorch_cpu'])} | "
+                  f"{spread(agg['ddpkit_cpu'])} | {spread(agg['ddpkit-tcp_cpu'])} | "
+                  f"{spread(agg['pytorch_cpu'])} | "
                   f"{spread(agg['ddpkit_wait'])} | {ok or '–'} |")
     md.append("")
     summary["overhead"] = result

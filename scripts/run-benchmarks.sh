@@ -60,6 +60,11 @@ echo "== DDP overhead: ddpkit and PyTorch back to back, $ROUNDS round(s)"
 for r in $(seq 1 "$ROUNDS"); do
   gb ddpkit_ddp_bench "overhead_ddpkit_r$r.json" $QUICK --sections=overhead \
     --rounds=1 --round-id="$r"
+  # The same with gloo's loopback TCP instead of shared memory.
+  export DDPKIT_SHM=0
+  gb ddpkit_ddp_bench "overhead_ddpkittcp_r$r.json" $QUICK \
+    --sections=overhead --rounds=1 --round-id="$r"
+  unset DDPKIT_SHM
   if "$PY" -c "import torch, torchvision" 2>/dev/null; then
     "$PY" scripts/bench_pytorch_ddp.py $QUICK --round "$r" \
       --out "$OUT/overhead_pytorch_r$r.json"
