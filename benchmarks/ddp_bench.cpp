@@ -283,8 +283,9 @@ void register_all(const b::Args& o) {
   const int rounds = static_cast<int>(o.num("rounds", quick ? 1 : 3));
   const int round0 = static_cast<int>(o.num("round-id", 1));
   // Step counts are per world; cifarnet steps are short, so it gets more.
-  auto steps_for = [&](const std::string& model, bool scaling) {
-    int s = model == "cifarnet" ? 40 : 12;
+  auto steps_for = [&](const std::string& model, bool scaling,
+                       int64_t image = 64) {
+    int s = model == "cifarnet" ? 40 : (image > 64 ? 6 : 12);
     if (scaling) s = model == "cifarnet" ? 20 : 5;
     if (!quick) s *= 2;
     return std::vector<std::string>{"--steps=" + std::to_string(s),
@@ -300,14 +301,19 @@ void register_all(const b::Args& o) {
                                                  {"cifarnet", 32, 32}};
 
   if (wants(sections, "overhead")) {
+    // ResNet-18 twice: @64/b8 is the stress setting (45 MB of gradients per
+    // ~150 ms of compute), @96/b16 has 4.5x the compute per byte sent.
+    auto models = overhead_models;
+    models.push_back({"resnet18", 96, 16});
     for (int r = round0; r < round0 + rounds; ++r) {
-      for (auto& m : overhead_models) {
+      for (auto& m : models) {
         for (int w : {1, 2}) {
           if (w > b::max_world()) continue;
-          b::register_world(
-              "overhead/" + m.label() + "/world:" + std::to_string(w) +
-                  "/round:" + std::to_string(r),
-              w, cat(m.args(), steps_for(m.name, false)), b::all_counters);
+          b::register_world("overhead/" + m.label() +
+                                "/world:" + std::to_string(w) +
+                                "/round:" + std::to_string(r),
+                            w, cat(m.args(), steps_for(m.name, false, m.image)),
+                            b::all_counters);
         }
       }
     }

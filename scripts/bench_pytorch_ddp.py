@@ -137,7 +137,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--round", type=int, default=1)
-    ap.add_argument("--models", default="resnet18@64/b8,cifarnet@32/b32")
+    ap.add_argument("--models", default="resnet18@64/b8,cifarnet@32/b32,resnet18@96/b16")
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--bucket-mib", type=float, default=25)
     ap.add_argument("--threads", type=int, default=1)
@@ -146,7 +146,7 @@ def main():
     for m in a.models.split(","):
         name, rest = m.split("@")
         image, batch = rest.split("/b")
-        steps = 40 if name == "cifarnet" else 12
+        steps = 40 if name == "cifarnet" else (6 if int(image) > 64 else 12)
         if not a.quick:
             steps *= 2
         spec = dict(model=name, image=int(image), batch=int(batch),
