@@ -115,6 +115,93 @@ TEST_SUITE("data") {
     }
   }
 
+  TEST_CASE("parse_cifar10_bytes: the file reader's results and errors") {
+    ddpkit::test::TempDir tmp;
+    auto set = make_synthetic(SyntheticOptions(10).seed(1));
+    write_cifar_binary(tmp.path(), set, set);
+    auto bytes = ddpkit::test::file_bytes(tmp / "test_batch.bin");
+    auto mem = parse_cifar10_bytes(bytes.data(), bytes.size(), "mem.bin");
+    auto file = read_cifar10_file(tmp / "test_batch.bin");
+    CHECK(torch::equal(mem.images, file.images));
+    CHECK(torch::equal(mem.labels, file.labels));
+    CHECK(parse_cifar10_bytes(nullptr, 0).size() == 0);
+    auto msg = usage_error_of([&] {
+      parse_cifar10_bytes(bytes.data(), bytes.size() - 1, "mem.bin");
+    });
+    CHECK(contains(msg, "mem.bin"));
+    CHECK(contains(msg, std::to_string(10 * 3073 - 1)));
+    bytes[3 * 3073] = 10;
+    msg = usage_error_of(
+        [&] { parse_cifar10_bytes(bytes.data(), bytes.size(), "mem.bin"); });
+    CHECK(contains(msg, "label 10 at byte offset 9219"));
+  }
+
+  TEST_CASE(
+      "decompression bombs: a tiny file claiming 60000x60000 is refused") {
+    // Found by fuzzing (tests/fuzz): decoding allocated width * height * 3
+    // bytes from the header (10.8 GB here) before reading any pixel.
+    ddpkit::test::TempDir tmp;
+    auto img = torch::randint(0, 256, {3, 16, 16}, torch::kUInt8);
+    write_jpeg(tmp / "small.jpg", img);
+    auto jpg = read_file_bytes(tmp / "small.jpg");
+    std::size_t sof = 0;
+    while (sof + 9 < jpg.size() && !(jpg[sof] == 0xFF && jpg[sof + 1] == 0xC0))
+      ++sof;
+    REQUIRE(sof + 9 < jpg.size());
+    for (int k : {5, 7}) {  // height, width (big-endian)
+      jpg[sof + k] = 60000 >> 8;
+      jpg[sof + k + 1] = 60000 & 0xFF;
+    }
+    std::ofstream(tmp / "bomb.jpg", std::ios::binary)
+        .write(reinterpret_cast<const char*>(jpg.data()),
+               static_cast<std::streamsize>(jpg.size()));
+    auto msg = usage_error_of([&] { decode_image(tmp / "bomb.jpg"); });
+    CHECK(contains(msg, "bomb.jpg"));
+    CHECK(contains(msg, "60000x60000"));
+    CHECK(contains(msg, "limit"));
+    std::vector<uint8_t> out;
+    JpegBlock block;
+    msg = usage_error_of([&] {
+      decode_jpeg_region(jpg, 0, 0, 8, 8, out, block, {}, "bomb.jpg");
+    });
+    // Without libjpeg's API the region path declines and nothing throws.
+    CHECK((contains(msg, "limit") || msg == "<no UsageError>"));
+    CHECK(out.size() < 4096);
+    CHECK_FALSE(image_header_ok(tmp / "bomb.jpg"));
+
+    // The same for PNG: IHDR's width and height, and its CRC.
+    png_image p{};
+    p.version = PNG_IMAGE_VERSION;
+    p.width = p.height = 16;
+    p.format = PNG_FORMAT_RGB;
+    auto hwc = img.permute({1, 2, 0}).contiguous();
+    png_alloc_size_t size = 0;
+    REQUIRE(png_image_write_to_memory(&p, nullptr, &size, 0,
+                                      hwc.data_ptr<uint8_t>(), 0, nullptr));
+    std::vector<unsigned char> png(size);
+    REQUIRE(png_image_write_to_memory(&p, png.data(), &size, 0,
+                                      hwc.data_ptr<uint8_t>(), 0, nullptr));
+    REQUIRE(std::string(png.begin() + 12, png.begin() + 16) == "IHDR");
+    for (int k : {16, 20}) {
+      png[k] = 0, png[k + 1] = 0, png[k + 2] = 60000 >> 8,
+      png[k + 3] = 60000 & 0xFF;
+    }
+    std::uint32_t crc = 0xFFFFFFFFu;  // CRC-32 of the chunk type and data
+    for (int i = 12; i < 29; ++i) {
+      crc ^= png[i];
+      for (int b = 0; b < 8; ++b) crc = (crc >> 1) ^ (0xEDB88320u & -(crc & 1));
+    }
+    crc ^= 0xFFFFFFFFu;
+    for (int k = 0; k < 4; ++k) png[29 + k] = (crc >> (24 - 8 * k)) & 0xFF;
+    std::ofstream(tmp / "bomb.png", std::ios::binary)
+        .write(reinterpret_cast<const char*>(png.data()),
+               static_cast<std::streamsize>(png.size()));
+    msg = usage_error_of([&] { decode_image(tmp / "bomb.png"); });
+    CHECK(contains(msg, "bomb.png"));
+    CHECK(contains(msg, "limit"));
+    CHECK_FALSE(image_header_ok(tmp / "bomb.png"));
+  }
+
   TEST_CASE("ImageFolder: split, class_indices.json, decode") {
     ddpkit::test::TempDir tmp;
     const auto root = tmp / "flowers";

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -13,7 +14,7 @@
 
 #include <torch/torch.h>
 
-#include "ddpkit/data/samplers.hpp"
+#include "ddpkit/data/permutation.hpp"
 #include "ddpkit/detail/error.hpp"
 
 namespace ddpkit::data {
@@ -112,6 +113,56 @@ inline std::filesystem::path resolve_cifar10_dir(
   return dir;
 }
 
+namespace detail {
+
+/// The number of records in `bytes` bytes of CIFAR-10 data; a UsageError
+/// naming `name` when it is not a whole number of records.
+inline std::int64_t cifar10_record_count(std::int64_t bytes,
+                                         const std::string& name) {
+  if (bytes % kCifarRecordBytes != 0) {
+    throw UsageError(ddpkit::detail::cat(
+        "CIFAR-10: ", name, " has ", bytes,
+        " bytes, not a multiple of the record size ", kCifarRecordBytes,
+        " (1 label byte + 3072 image bytes)"));
+  }
+  return bytes / kCifarRecordBytes;
+}
+
+/// Checks the labels of `raw` (uint8 N×3073 records) and splits it into
+/// images and labels; errors name `name` and the byte offset.
+inline ImageTensors cifar10_from_records(const torch::Tensor& raw,
+                                         const std::string& name) {
+  const auto n = raw.size(0);
+  const std::uint8_t* p = raw.data_ptr<std::uint8_t>();
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (p[i * kCifarRecordBytes] > 9) {
+      throw UsageError(ddpkit::detail::cat(
+          "CIFAR-10: ", name, " has label ", int(p[i * kCifarRecordBytes]),
+          " at byte offset ", i * kCifarRecordBytes, " (record ", i,
+          "); labels must be 0..9 — is this CIFAR-100 or a damaged file?"));
+    }
+  }
+  ImageTensors out;
+  out.labels = raw.select(1, 0).to(torch::kInt64);
+  out.images = raw.narrow(1, 1, 3072).reshape({n, 3, 32, 32}).contiguous();
+  out.classes = cifar10_classes();
+  return out;
+}
+
+}  // namespace detail
+
+/// Parses CIFAR-10 binary data held in memory (the bytes of one
+/// `cifar-10-batches-bin` file); errors name `name` and the byte offset,
+/// as `read_cifar10_file`'s do.
+inline ImageTensors parse_cifar10_bytes(const void* data, std::size_t size,
+                                        const std::string& name = "<memory>") {
+  const auto n =
+      detail::cifar10_record_count(static_cast<std::int64_t>(size), name);
+  auto raw = torch::empty({n, kCifarRecordBytes}, torch::kUInt8);
+  if (size > 0) std::memcpy(raw.data_ptr<std::uint8_t>(), data, size);
+  return detail::cifar10_from_records(raw, name);
+}
+
 /// Reads one CIFAR-10 binary file: records of 1 label byte + 3072 image
 /// bytes (R, G, B planes of 32×32).
 inline ImageTensors read_cifar10_file(const std::filesystem::path& file) {
@@ -123,13 +174,8 @@ inline ImageTensors read_cifar10_file(const std::filesystem::path& file) {
         "test_batch.bin)"));
   }
   const auto bytes = static_cast<std::int64_t>(fs::file_size(file));
-  if (bytes % kCifarRecordBytes != 0) {
-    throw UsageError(ddpkit::detail::cat(
-        "CIFAR-10: ", file.string(), " has ", bytes,
-        " bytes, not a multiple of the record size ", kCifarRecordBytes,
-        " (1 label byte + 3072 image bytes)"));
-  }
-  const auto n = bytes / kCifarRecordBytes;
+  const auto n = detail::cifar10_record_count(bytes, file.string());
+  // Read straight into the records tensor (no second copy).
   auto raw = torch::empty({n, kCifarRecordBytes}, torch::kUInt8);
   std::ifstream in(file, std::ios::binary);
   in.read(reinterpret_cast<char*>(raw.data_ptr<std::uint8_t>()), bytes);
@@ -137,21 +183,7 @@ inline ImageTensors read_cifar10_file(const std::filesystem::path& file) {
     throw UsageError(
         ddpkit::detail::cat("CIFAR-10: could not read ", file.string()));
   }
-  const std::uint8_t* p = raw.data_ptr<std::uint8_t>();
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (p[i * kCifarRecordBytes] > 9) {
-      throw UsageError(ddpkit::detail::cat(
-          "CIFAR-10: ", file.string(), " has label ",
-          int(p[i * kCifarRecordBytes]), " at byte offset ",
-          i * kCifarRecordBytes, " (record ", i,
-          "); labels must be 0..9 — is this CIFAR-100 or a damaged file?"));
-    }
-  }
-  ImageTensors out;
-  out.labels = raw.select(1, 0).to(torch::kInt64);
-  out.images = raw.narrow(1, 1, 3072).reshape({n, 3, 32, 32}).contiguous();
-  out.classes = cifar10_classes();
-  return out;
+  return detail::cifar10_from_records(raw, file.string());
 }
 
 /// Concatenates several files' records in order.

@@ -65,6 +65,32 @@ inline std::vector<unsigned char> read_file_bytes(
   return bytes;
 }
 
+/// The most pixels an image may have (PIL's `DecompressionBombError`
+/// threshold, 2 × `Image.MAX_IMAGE_PIXELS`): decoding allocates from the
+/// header's size before reading any pixel data, so a file of a few hundred
+/// bytes claiming 60000×60000 would otherwise cost 10 GB.
+inline constexpr std::int64_t kMaxImagePixels = 178956970;
+
+namespace detail {
+
+inline bool image_too_large(std::int64_t height, std::int64_t width) {
+  return height > 0 && width > kMaxImagePixels / height;
+}
+
+/// A UsageError naming `name` when `height`×`width` is above
+/// `kMaxImagePixels`.
+inline void check_image_pixels(std::int64_t height, std::int64_t width,
+                               const std::string& name) {
+  if (image_too_large(height, width)) {
+    throw UsageError(ddpkit::detail::cat(
+        "image ", name, " claims ", width, "x", height, " = ", width * height,
+        " pixels, more than the limit of ", kMaxImagePixels,
+        " (a damaged file or a decompression bomb?)"));
+  }
+}
+
+}  // namespace detail
+
 inline bool is_jpeg(const std::vector<unsigned char>& b) {
   return b.size() > 3 && b[0] == 0xFF && b[1] == 0xD8 && b[2] == 0xFF;
 }
@@ -99,7 +125,7 @@ struct ImageSize {
 };
 
 /// The size of a JPEG (header only); a UsageError naming `name` when the
-/// header is unreadable.
+/// header is unreadable or the image has more than `kMaxImagePixels`.
 inline ImageSize jpeg_size(const std::vector<unsigned char>& bytes,
                            const std::string& name = "<memory>") {
 #ifdef DDPKIT_HAS_TURBOJPEG
@@ -111,6 +137,7 @@ inline ImageSize jpeg_size(const std::vector<unsigned char>& bytes,
     throw UsageError(ddpkit::detail::cat("not a readable JPEG: ", name, " (",
                                          tjGetErrorStr2(h), ")"));
   }
+  detail::check_image_pixels(ht, w, name);
   return {ht, w};
 #else
   (void)bytes;
@@ -243,7 +270,7 @@ inline const LibJpeg& libjpeg() {
 struct JpegErr {
   jpeg_error_mgr pub;
   std::jmp_buf jump;
-  int kind;  // 1: fatal error, 2: truncated
+  int kind;  // 1: fatal error, 2: truncated, 3: too many pixels
   char msg[JMSG_LENGTH_MAX];
 };
 
@@ -285,6 +312,13 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data,
   lib.create(&cinfo, JPEG_LIB_VERSION, sizeof(cinfo));
   lib.mem_src(&cinfo, data, size);
   lib.read_header(&cinfo, 1);
+  if (image_too_large(cinfo.image_height, cinfo.image_width)) {
+    lib.destroy(&cinfo);
+    std::snprintf(err.msg, sizeof err.msg, "%ux%u",
+                  static_cast<unsigned>(cinfo.image_width),
+                  static_cast<unsigned>(cinfo.image_height));
+    return 3;
+  }
   cinfo.out_color_space = JCS_RGB;
   cinfo.scale_num = static_cast<unsigned>(opts.scale_num);
   cinfo.scale_denom = 8;
@@ -350,8 +384,8 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data,
 /// `jpeg_skip_scanlines`). Returns false, leaving the work to a full
 /// decode, when libjpeg's API is not available, when the file does not end
 /// in an EOI marker (maybe truncated, or trailing data) or when libjpeg
-/// cannot handle it (e.g. CMYK); a truncated file is a UsageError naming
-/// `name`.
+/// cannot handle it (e.g. CMYK); a truncated file, or one of more than
+/// `kMaxImagePixels`, is a UsageError naming `name`.
 inline bool decode_jpeg_region(const std::vector<unsigned char>& bytes,
                                double top, double left, double height,
                                double width, std::vector<std::uint8_t>& out,
@@ -374,6 +408,11 @@ inline bool decode_jpeg_region(const std::vector<unsigned char>& bytes,
   if (rc == 2) {
     throw UsageError(
         ddpkit::detail::cat("truncated JPEG: ", name, " (", err.msg, ")"));
+  }
+  if (rc == 3) {
+    throw UsageError(ddpkit::detail::cat(
+        "image ", name, " claims ", err.msg, " pixels, more than the limit of ",
+        kMaxImagePixels, " (a damaged file or a decompression bomb?)"));
   }
   return rc == 0;
 #else
@@ -426,7 +465,8 @@ inline torch::Tensor decode_jpeg(const std::vector<unsigned char>& bytes,
 }
 
 /// Decodes a PNG (any bit depth, palette, grey or alpha) to RGB HWC uint8
-/// into `out` and returns its size.
+/// into `out` and returns its size; a UsageError naming `name` when it is
+/// unreadable or has more than `kMaxImagePixels`.
 inline ImageSize decode_png_hwc(const std::vector<unsigned char>& bytes,
                                 std::vector<std::uint8_t>& out,
                                 const std::string& name = "<memory>") {
@@ -436,6 +476,10 @@ inline ImageSize decode_png_hwc(const std::vector<unsigned char>& bytes,
   if (!png_image_begin_read_from_memory(&img, bytes.data(), bytes.size())) {
     throw UsageError(ddpkit::detail::cat("not a readable PNG: ", name, " (",
                                          img.message, ")"));
+  }
+  if (detail::image_too_large(img.height, img.width)) {
+    png_image_free(&img);
+    detail::check_image_pixels(img.height, img.width, name);
   }
   img.format = PNG_FORMAT_RGB;
   out.resize(static_cast<std::size_t>(img.height) * img.width * 3 + 16);
@@ -545,8 +589,8 @@ class ImageBatch {
   std::vector<Item> items_;
 };
 
-/// Does the file look decodable (magic bytes and a valid header), without
-/// decoding the pixels.
+/// Does the file look decodable (magic bytes and a valid header of at most
+/// `kMaxImagePixels`), without decoding the pixels.
 inline bool image_header_ok(const std::filesystem::path& file) {
   std::vector<unsigned char> bytes;
   try {
@@ -560,7 +604,8 @@ inline bool image_header_ok(const std::filesystem::path& file) {
     int w, ht, s, c;
     return tjDecompressHeader3(h, bytes.data(),
                                static_cast<unsigned long>(bytes.size()), &w,
-                               &ht, &s, &c) == 0;
+                               &ht, &s, &c) == 0 &&
+           !detail::image_too_large(ht, w);
   }
 #endif
 #ifdef DDPKIT_HAS_PNG
@@ -568,7 +613,8 @@ inline bool image_header_ok(const std::filesystem::path& file) {
     png_image img{};
     img.version = PNG_IMAGE_VERSION;
     bool ok =
-        png_image_begin_read_from_memory(&img, bytes.data(), bytes.size());
+        png_image_begin_read_from_memory(&img, bytes.data(), bytes.size()) &&
+        !detail::image_too_large(img.height, img.width);
     png_image_free(&img);
     return ok;
   }

@@ -21,6 +21,7 @@
 #include <range/v3/view/take.hpp>
 
 #include "ddpkit/concepts.hpp"
+#include "ddpkit/data/permutation.hpp"
 #include "ddpkit/detail/error.hpp"
 
 namespace ddpkit::data {
@@ -39,18 +40,6 @@ struct ShardSpec {
 };
 
 namespace detail {
-
-/// A permutation of [0, n) equal to Python's
-/// `g = torch.Generator(); g.manual_seed(seed); torch.randperm(n,
-/// generator=g)`.
-inline std::vector<std::size_t> seeded_permutation(std::size_t n,
-                                                   std::uint64_t seed) {
-  auto gen = at::detail::createCPUGenerator(seed);
-  auto perm = torch::randperm(static_cast<int64_t>(n), gen,
-                              torch::TensorOptions(torch::kInt64));
-  const int64_t* p = perm.data_ptr<int64_t>();
-  return std::vector<std::size_t>(p, p + n);
-}
 
 /// 0, 1, ..., n-1. (std::iota: `views::iota | to<vector>` trips a false
 /// -Waggressive-loop-optimizations warning in GCC 12.)
