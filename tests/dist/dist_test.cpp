@@ -159,6 +159,18 @@ TEST_SUITE("dist") {
          "MASTER_ADDR is missing (required when SLURM_NTASKS=2 > 1)"},
         {{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "two"}},
          "OMPI_COMM_WORLD_SIZE='two' is not an integer"},
+        // Found by fuzzing (tests/fuzz): the largest int as SLURM_LOCALID
+        // overflowed `local_rank + 1` (UB) when SLURM_NTASKS_PER_NODE is
+        // unset, and an empty launch-node address became the master.
+        {{{"SLURM_PROCID", "0"},
+          {"SLURM_NTASKS", "2"},
+          {"SLURM_LOCALID", "2147483647"},
+          {"MASTER_ADDR", "h"}},
+         "SLURM_LOCALID=2147483647 must be less than SLURM_NTASKS=2"},
+        {{{"SLURM_PROCID", "1"},
+          {"SLURM_NTASKS", "8"},
+          {"SLURM_LAUNCH_NODE_IPADDR", ""}},
+         "SLURM_LAUNCH_NODE_IPADDR is empty"},
     };
     for (auto& c : cases) {
       CAPTURE(c.message);

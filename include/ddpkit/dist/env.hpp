@@ -157,6 +157,13 @@ inline DistEnv read_env(const EnvLookup& env = process_environment()) {
       std::string v = lws->substr(0, lws->find('('));
       e.local_world_size = parse_int("SLURM_NTASKS_PER_NODE", v, 1);
     } else {
+      // Without it, this node holds at least the ranks up to ours; checked
+      // first so that local_rank + 1 cannot overflow.
+      if (e.local_rank >= e.world_size) {
+        throw UsageError(ddpkit::detail::cat(
+            "SLURM_LOCALID=", e.local_rank,
+            " must be less than SLURM_NTASKS=", e.world_size));
+      }
       e.local_world_size = e.local_rank + 1;
     }
   } else if (get("OMPI_COMM_WORLD_RANK") || get("OMPI_COMM_WORLD_SIZE")) {
@@ -186,6 +193,12 @@ inline DistEnv read_env(const EnvLookup& env = process_environment()) {
   } else if (auto node = get("SLURM_LAUNCH_NODE_IPADDR");
              node && e.source == LaunchSource::slurm) {
     // SLURM names no master; the launching node is the usual choice.
+    if (node->empty()) {
+      throw UsageError(
+          "environment variable SLURM_LAUNCH_NODE_IPADDR is empty (expected "
+          "the launching node's address; or set MASTER_ADDR to rank 0's "
+          "host)");
+    }
     e.master_addr = *node;
   } else if (e.world_size > 1) {
     throw UsageError(ddpkit::detail::cat(
