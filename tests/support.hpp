@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -67,6 +69,43 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+/// The bytes of `p` (for tests that damage files).
+inline std::string file_bytes(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+inline void write_file_bytes(const std::filesystem::path& p,
+                             const std::string& bytes) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+/// Where libtorch's pickler wrote the string `s` (BINUNICODE: 'X', a 4-byte
+/// little-endian length, the bytes) in a torch.save / OutputArchive file.
+inline std::size_t find_pickled_string(const std::string& bytes,
+                                       const std::string& s) {
+  std::string pattern = "X";
+  for (int i = 0; i < 4; ++i)
+    pattern += static_cast<char>((s.size() >> (8 * i)) & 0xff);
+  return bytes.find(pattern + s);
+}
+
+/// Sets the storage offset of the tensor pickled right after the dict key
+/// `key` (BINPERSID, BINPUT n, BININT1 offset) to `offset`: the tensor then
+/// claims elements past the end of its storage. False when not found.
+inline bool set_pickled_storage_offset(std::string& bytes,
+                                       const std::string& key,
+                                       unsigned char offset) {
+  const auto at = find_pickled_string(bytes, key);
+  if (at == std::string::npos) return false;
+  const auto q = bytes.find('Q', at);
+  if (q == std::string::npos || q + 4 >= bytes.size() || bytes[q + 1] != 'q' ||
+      bytes[q + 3] != 'K' || bytes[q + 4] != 0)
+    return false;
+  bytes[q + 4] = static_cast<char>(offset);
+  return true;
+}
 
 /// The folder a worker should write its results to (set by run_workers).
 inline std::filesystem::path worker_dir() {

@@ -145,6 +145,43 @@ TEST_SUITE("nn") {
           }).find("torch.save(dict(") != std::string::npos);
   }
 
+  TEST_CASE(
+      "damaged state dict files are UsageErrors, not out-of-bounds reads") {
+    // Found by fuzzing (tests/fuzz). libtorch 1.13 takes a pickled tensor's
+    // storage offset on trust, and its in-memory zip reader (used by
+    // torch::pickle_load) reads wherever the zip's offsets point.
+    ddpkit::test::TempDir tmp;
+    torch::nn::Linear lin(4, 3);
+    nn::save_state_dict(*lin, tmp / "good.pt");
+    const auto good = ddpkit::test::file_bytes(tmp / "good.pt");
+    CHECK(nn::read_state_dict(tmp / "good.pt").size() == 2);
+
+    auto bytes = good;
+    REQUIRE(ddpkit::test::set_pickled_storage_offset(bytes, "weight", 200));
+    ddpkit::test::write_file_bytes(tmp / "offset.pt", bytes);
+    auto msg = what_of([&] { nn::read_state_dict(tmp / "offset.pt"); });
+    CHECK(msg.find("offset.pt: 'weight' has elements outside its storage") !=
+          std::string::npos);
+
+    // A string length far past the end: libtorch allocated it all first.
+    bytes = good;
+    const auto at = ddpkit::test::find_pickled_string(bytes, "weight");
+    REQUIRE(at != std::string::npos);
+    bytes[at + 4] = 0x60;
+    ddpkit::test::write_file_bytes(tmp / "length.pt", bytes);
+    msg = what_of([&] { nn::read_state_dict(tmp / "length.pt"); });
+    CHECK(msg.find("runs past the end") != std::string::npos);
+
+    // No end-of-central-directory record.
+    bytes = good;
+    const auto eocd = bytes.rfind("PK\x05\x06");
+    REQUIRE(eocd != std::string::npos);
+    bytes[eocd + 3] = 0x07;
+    ddpkit::test::write_file_bytes(tmp / "eocd.pt", bytes);
+    msg = what_of([&] { nn::read_state_dict(tmp / "eocd.pt"); });
+    CHECK(msg.find("eocd.pt cannot be read") != std::string::npos);
+  }
+
   TEST_CASE("state dicts interoperate with torchvision") {
     const auto py = find_python();
     if (py.empty()) {

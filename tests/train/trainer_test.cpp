@@ -265,6 +265,89 @@ TEST_SUITE("train") {
         UsageError);
   }
 
+  TEST_CASE("checkpoints: damaged archives are refused before libtorch") {
+    // Found by fuzzing (tests/fuzz): a damaged archive made libtorch crash
+    // compiling its code entries, allocate gigabytes from a length field,
+    // or hand over tensors whose elements lie outside their storage.
+    TempDir dir;
+    TinyNet net;
+    torch::serialize::OutputArchive a;
+    a.write("model", c10::IValue(nn::state_dict(*net)));
+    train::atomic_save(a, dir / "good.pt");
+    const auto good = test::file_bytes(dir / "good.pt");
+    auto archive = train::open_checkpoint(dir / "good.pt");
+    train::load_module_checked(*net, archive, "model", dir / "good.pt");
+
+    auto refused = [&](const std::string& name, const std::string& bytes) {
+      test::write_file_bytes(dir / name, bytes);
+      try {
+        auto ar = train::open_checkpoint(dir / name);
+        train::load_module_checked(*net, ar, "model", dir / name);
+      } catch (const UsageError& e) {
+        return std::string(e.what());
+      }
+      return std::string("<no UsageError>");
+    };
+    auto bytes = good;
+    REQUIRE(test::set_pickled_storage_offset(bytes, "fc.weight", 200));
+    auto msg = refused("offset.pt", bytes);
+    CHECK(msg.find("offset.pt: 'model' has elements outside its storage") !=
+          std::string::npos);
+
+    bytes = good;
+    const auto code = bytes.find("class Module(Module):\n  __parameters__");
+    REQUIRE(code != std::string::npos);
+    bytes.replace(code + 24, 14, "_pamar_eters__");
+    msg = refused("code.pt", bytes);
+    CHECK(msg.find("code.pt cannot be read") != std::string::npos);
+    CHECK(msg.find("line 2 is not an attribute declaration") !=
+          std::string::npos);
+
+    bytes = good;
+    const auto at = test::find_pickled_string(bytes, "fc.weight");
+    REQUIRE(at != std::string::npos);
+    bytes[at + 4] = 0x60;
+    msg = refused("length.pt", bytes);
+    CHECK(msg.find("runs past the end") != std::string::npos);
+  }
+
+  TEST_CASE("checkpoints: resume state and optimizer errors name the file") {
+    TempDir dir;
+    TinyNet net;
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    torch::serialize::OutputArchive a, opt;
+    sgd.save(opt);
+    a.write("optimizer", opt);
+    a.write("epochs_done", torch::tensor({std::nan("")}, torch::kFloat64));
+    a.write("history", torch::zeros({2, 3}, torch::kFloat64));
+    train::atomic_save(a, dir / "bad.pt");
+    auto archive = train::open_checkpoint(dir / "bad.pt");
+    CHECK_THROWS_WITH_AS(train::read_resume_state(archive, dir / "bad.pt"),
+                         doctest::Contains("'epochs_done' is nan, not a whole "
+                                           "number"),
+                         UsageError);
+    // An optimizer of another model (two parameters, not six).
+    torch::nn::Linear other(3, 2);
+    torch::optim::SGD other_sgd(other->parameters(),
+                                torch::optim::SGDOptions(0.1));
+    CHECK_THROWS_WITH_AS(
+        train::load_optimizer_checked(other_sgd, archive, dir / "bad.pt"),
+        doctest::Contains("bad.pt: optimizer state does not fit"), UsageError);
+
+    torch::serialize::OutputArchive b;
+    for (const char* k : {"epochs_done", "best_val_acc", "best_epoch",
+                          "bad_epochs", "loss_scale"}) {
+      b.write(k, torch::tensor({1.0}, torch::kFloat64));
+    }
+    b.write("history", torch::zeros({2, 3}, torch::kFloat64));
+    train::atomic_save(b, dir / "history.pt");
+    auto hist = train::open_checkpoint(dir / "history.pt");
+    // EpochMetrics::from_tensor read 8 columns of what had 3.
+    CHECK_THROWS_WITH_AS(train::read_resume_state(hist, dir / "history.pt"),
+                         doctest::Contains("'history' is not an N x 8 table"),
+                         UsageError);
+  }
+
   TEST_CASE("learning rates under each scaling policy and schedule") {
     using train::lr_at;
     using train::Schedule;

@@ -11,10 +11,15 @@
 #include <string>
 #include <vector>
 
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
+#include "ddpkit/detail/archive_check.hpp"
+#include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/loaded_tensors.hpp"
 
 namespace ddpkit::nn {
 
@@ -36,12 +41,9 @@ inline c10::Dict<std::string, torch::Tensor> state_dict(
 inline void save_state_dict(const torch::nn::Module& module,
                             const std::filesystem::path& path) {
   const auto bytes = torch::pickle_save(c10::IValue(state_dict(module)));
-  std::ofstream os(path, std::ios::binary);
-  os.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!os) {
-    throw UsageError(
-        ddpkit::detail::cat("save_state_dict: cannot write ", path.string()));
-  }
+  // Through path.tmp and a rename: an interrupted save keeps the old file.
+  ddpkit::detail::write_atomically(
+      path, std::string_view(bytes.data(), bytes.size()));
 }
 
 inline constexpr const char* kConvertStateDictHint =
@@ -57,20 +59,34 @@ inline c10::Dict<std::string, torch::Tensor> read_state_dict(
     throw UsageError(
         ddpkit::detail::cat("load_state_dict: cannot open ", path.string()));
   }
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
-                          std::istreambuf_iterator<char>());
   // torch.save's zip archives start with a local file header "PK\3\4";
   // anything else is the legacy (pre-1.6 or _use_new_zipfile_serialization
-  // =False) format, which torch::pickle_load cannot read.
-  if (bytes.size() < 4 || bytes[0] != 'P' || bytes[1] != 'K') {
+  // =False) format, which libtorch cannot read.
+  char magic[4] = {};
+  in.read(magic, 4);
+  if (in.gcount() < 4 || magic[0] != 'P' || magic[1] != 'K') {
     throw UsageError(ddpkit::detail::cat(
         "load_state_dict: ", path.string(),
         " is not in torch.save's zip format (a legacy .pth?); ",
         kConvertStateDictHint));
   }
+  in.close();
+  // libtorch trusts the zip's and the pickle's length fields (see
+  // archive_check.hpp): check them first.
+  ddpkit::detail::check_archive(
+      path, ddpkit::detail::cat("load_state_dict: ", path.string()),
+      "torch.save or ddpkit");
   c10::IValue v;
   try {
-    v = torch::pickle_load(bytes);
+    // What torch::pickle_load does, but reading the zip through the file
+    // (FileAdapter clamps every read to the file's size). pickle_load's
+    // in-memory reader copies whatever range the zip's offsets name: a
+    // damaged file made it read past the buffer (found by fuzzing).
+    caffe2::serialize::PyTorchStreamReader reader(path.string());
+    v = torch::jit::readArchiveAndTensors(
+        "data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+        /*type_resolver=*/c10::nullopt, /*obj_loader=*/c10::nullopt,
+        /*device=*/c10::nullopt, reader);
   } catch (const c10::Error& e) {
     // libtorch 1.13's unpickler lacks some opcodes (e.g. SETITEM, which
     // Python emits for a one-entry dict) and every class but a few.
@@ -80,6 +96,12 @@ inline c10::Dict<std::string, torch::Tensor> read_state_dict(
         "); it must be a plain dict of several tensors; if it holds a model "
         "or an OrderedDict, ",
         kConvertStateDictHint));
+  } catch (const std::exception& e) {
+    // A damaged pickle also makes the unpickler throw standard exceptions
+    // (std::out_of_range from its memo or stack; found by fuzzing).
+    throw UsageError(ddpkit::detail::cat("load_state_dict: cannot unpickle ",
+                                         path.string(), " (", e.what(),
+                                         "): the file is damaged"));
   }
   // Python's OrderedDict (what `model.state_dict()` is) has no C++ unpickler
   // class and comes back as None; only a plain dict of tensors is usable.
@@ -100,6 +122,10 @@ inline c10::Dict<std::string, torch::Tensor> read_state_dict(
           "); a full checkpoint? save only the model's state dict: ",
           kConvertStateDictHint));
     }
+    ddpkit::detail::check_loaded_tensor(
+        kv.value().toTensor(),
+        ddpkit::detail::cat("load_state_dict: ", path.string(), ": '",
+                            kv.key().toStringRef(), "'"));
     out.insert(kv.key().toStringRef(), kv.value().toTensor());
   }
   return out;
@@ -149,6 +175,9 @@ inline LoadReport load_state_dict(
       continue;
     }
     const auto& src = it->value();
+    ddpkit::detail::check_loaded_tensor(
+        src,
+        ddpkit::detail::cat("load_state_dict: ", source, ": '", name, "'"));
     if (src.sizes() != target.sizes()) {
       if (options.skip_mismatched()) {
         report.skipped_shape.push_back(name);
@@ -159,7 +188,15 @@ inline LoadReport load_state_dict(
           " but the model expects ", target.sizes(),
           " (use skip_mismatched(true) to keep the model's own value)"));
     }
-    target.copy_(src.to(target.dtype()));
+    try {
+      target.copy_(src.to(target.dtype()));
+    } catch (const c10::Error& e) {  // e.g. a quantized or complex tensor
+      const std::string what = e.what_without_backtrace();
+      throw UsageError(ddpkit::detail::cat(
+          "load_state_dict: ", source, ": '", name,
+          "' cannot be copied into the model (", src.scalar_type(),
+          "): ", what.substr(0, what.find('\n'))));
+    }
     report.loaded.push_back(name);
   }
   for (const auto& kv : dict) {

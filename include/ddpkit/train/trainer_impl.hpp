@@ -168,39 +168,14 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
   auto archive = open_checkpoint(path);
   load_module_checked(parallel::as_module(engine_.module()), archive, "model",
                       path);
-  torch::serialize::InputArchive opt_archive;
-  if (!archive.try_read("optimizer", opt_archive)) {
-    throw UsageError(ddpkit::detail::cat("checkpoint ", path.string(),
-                                         " has no optimizer state"));
-  }
-  try {
-    optimizer_->load(opt_archive);
-  } catch (const c10::Error& e) {
-    throw UsageError(ddpkit::detail::cat(
-        "checkpoint ", path.string(),
-        ": optimizer state does not fit this "
-        "optimizer (another optimizer type or model?): ",
-        std::string(e.what_without_backtrace()).substr(0, 200)));
-  }
-  auto read = [&](const char* key) {
-    torch::Tensor t;
-    if (!archive.try_read(key, t)) {
-      throw UsageError(ddpkit::detail::cat("checkpoint ", path.string(),
-                                           " lacks '", key, "'"));
-    }
-    return t.template item<double>();
-  };
-  int done = static_cast<int>(read("epochs_done"));
-  best = read("best_val_acc");
-  best_epoch = static_cast<int>(read("best_epoch"));
-  bad_epochs = static_cast<int>(read("bad_epochs"));
-  loss_scale_ = read("loss_scale");
-  torch::Tensor hist;
-  archive.try_read("history", hist);
-  history.clear();
-  for (int64_t i = 0; hist.defined() && i < hist.size(0); ++i) {
-    history.push_back(EpochMetrics::from_tensor(hist[i]));
-  }
+  load_optimizer_checked(*optimizer_, archive, path);
+  const auto state = read_resume_state(archive, path);
+  const int done = state.epochs_done;
+  best = state.best_val_acc;
+  best_epoch = state.best_epoch;
+  bad_epochs = state.bad_epochs;
+  loss_scale_ = state.loss_scale;
+  history = state.history;
   if (is_main() && options_.verbose()) {
     std::printf("resumed from %s after epoch %d (best val_acc %.4f)\n",
                 path.c_str(), done, best);
