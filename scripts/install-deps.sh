@@ -3,7 +3,9 @@
 # Does nothing (and needs no network) when everything is already present.
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libtorch-dev libgloo-dev librange-v3-dev
-      doctest-dev libbenchmark-dev libturbojpeg0-dev libpng-dev libcli11-dev)
+      doctest-dev libbenchmark-dev libturbojpeg0-dev libpng-dev libcli11-dev
+      # libFuzzer targets (scripts/fuzz.sh): clang and its sanitizer runtimes.
+      clang-14 libclang-rt-14-dev)
 # Optional extras used by interop tests and benchmarks against PyTorch itself.
 if [[ "${DDPKIT_WITH_PYTHON:-1}" == 1 ]]; then
   pkgs+=(python3-torch python3-torchvision)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs ddpkit's dependencies (Debian packages; nothing when present),
-# builds everything, and runs the whole test suite. This is the README's
-# test command and exactly what CI runs.
+# builds everything, runs the whole test suite, then short fuzz runs
+# (scripts/fuzz.sh). This is the README's test command and exactly what CI
+# runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
@@ -19,5 +20,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DDDPKIT_BUILD_TESTS=ON -DDDPKIT_BUILD_EXAMPLES=ON -DDDPKIT_BUILD_BENCHMARKS=ON
 cmake --build "$build" -j "$jobs"
 # Multi-process tests pin one intra-op thread per rank themselves.
-cd "$build"
-ctest --output-on-failure -j "$jobs" --timeout 900
+(cd "$build" && ctest --output-on-failure -j "$jobs" --timeout 900)
+# Short libFuzzer runs of the input parsers (clang build in build-fuzz;
+# DDPKIT_FUZZ_SECONDS per target, default 60; 0 skips).
+./scripts/fuzz.sh
