@@ -1,26 +1,53 @@
 #!/usr/bin/env bash
-# Installs ddpkit's dependencies (Debian packages; nothing when present),
-# builds everything, runs the whole test suite, then short fuzz runs
-# (scripts/fuzz.sh). This is the README's test command and exactly what CI
-# runs.
+# Installs ddpkit's dependencies (Debian packages; nothing when present) and
+# runs everything CI checks, in three stages:
+#   1. release build of tests, examples and benchmarks; the whole CTest suite
+#   2. the unit and multi-process suites again under AddressSanitizer + UBSan
+#      (CMake preset "asan-ubsan", build-asan/)
+#   3. short libFuzzer runs of the input parsers (scripts/fuzz.sh, build-fuzz/)
+# This is the README's test command and exactly what CI runs (about 15 min
+# from clean on 2 cores).
+#
+#   scripts/test.sh              all three stages
+#   scripts/test.sh --sanitize   stage 2 only
+#
+#   DDPKIT_SANITIZE=0        skip stage 2
+#   DDPKIT_FUZZ_SECONDS=N    seconds per fuzz target (default 60; 0 skips 3)
+#   DDPKIT_JOBS=N            build and test parallelism (default: nproc)
+#   DDPKIT_BUILD_DIR=DIR     stage 1's build folder (default build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
-if [[ "${1:-}" == "--sanitize" ]]; then
-  # The unit and multi-process suites under AddressSanitizer + UBSan
-  # (CMakePresets.json "asan-ubsan"; ~10 min to build on 2 cores, so not
-  # part of the default run).
-  cmake --preset asan-ubsan
-  cmake --build --preset asan-ubsan -j "${DDPKIT_JOBS:-$(nproc)}"
-  exec ctest --preset asan-ubsan -j "${DDPKIT_JOBS:-$(nproc)}" --output-on-failure
-fi
-build=${DDPKIT_BUILD_DIR:-build}
 jobs=${DDPKIT_JOBS:-$(nproc)}
+t0=$(date +%s)
+stamp() { echo "== $* ($(($(date +%s) - t0)) s since start)"; }
+
+sanitized_suites() {
+  stamp "stage 2: unit and multi-process suites under ASan + UBSan"
+  cmake --preset asan-ubsan >/dev/null
+  cmake --build --preset asan-ubsan -j "$jobs"
+  ctest --preset asan-ubsan -j "$jobs" --output-on-failure
+}
+
+if [[ "${1:-}" == "--sanitize" ]]; then
+  sanitized_suites
+  exit 0
+fi
+
+stamp "stage 1: release build and the whole test suite"
+build=${DDPKIT_BUILD_DIR:-build}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DDDPKIT_BUILD_TESTS=ON -DDDPKIT_BUILD_EXAMPLES=ON -DDDPKIT_BUILD_BENCHMARKS=ON
 cmake --build "$build" -j "$jobs"
 # Multi-process tests pin one intra-op thread per rank themselves.
 (cd "$build" && ctest --output-on-failure -j "$jobs" --timeout 900)
-# Short libFuzzer runs of the input parsers (clang build in build-fuzz;
-# DDPKIT_FUZZ_SECONDS per target, default 60; 0 skips).
+
+if [[ "${DDPKIT_SANITIZE:-1}" != 0 ]]; then
+  sanitized_suites
+else
+  stamp "stage 2 skipped (DDPKIT_SANITIZE=0)"
+fi
+
+stamp "stage 3: fuzzing"
 ./scripts/fuzz.sh
+stamp "all passed"
