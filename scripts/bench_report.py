@@ -160,7 +160,7 @@ def decompose(entries, md, summary):
     md.append("## Where world 2's extra time goes (ddpkit, world 2)\n")
     md.append("`bare`: both ranks run the model with no communication at all (what "
               "sharing the cores, caches and memory costs); `ddp_nocomm`: the DDP engine "
-              "with a strategy that sends nothing (adds hooks, bucket copies, write-back); "
+              "with a strategy that sends nothing (adds the post-accumulate hooks and bucket bookkeeping; gradients are bucket views, so nothing is copied); "
               "`ddp`: the real thing; `flat`: bare model + one flat all-reduce after "
               "backward. CPU = CPU seconds per step of rank 0 (all threads, user + "
               "kernel); sys = kernel part (loopback TCP). On a saturated 2-core machine "
@@ -193,7 +193,7 @@ def local(entries, md, summary):
     md.append("`ddp_engine_world1`: at world size 1 ddpkit creates no reducer (no hooks, "
               "no buckets), so it must equal `bare`. `reducer_hooks_no_comm`: a real "
               "`Reducer` with a communication strategy that sends nothing — gradient "
-              "hooks, copies into buckets and back — i.e. the reducer's own cost.\n")
+              "hooks and bucket bookkeeping — i.e. the reducer's own cost.\n")
     md.append("| entry | ms/step | vs bare |")
     md.append("|---|---|---|")
     bare = {}
@@ -252,7 +252,7 @@ def scaling(entries, md, summary, svg_dir):
     if not rows:
         return
     cores = int(next(iter(next(iter(rows.values())).values())).get("cores", 0))
-    md.append("## Scaling (weak: fixed per-worker batch; processes over gloo, 1 thread each)\n")
+    md.append("## Scaling (weak: fixed per-worker batch; processes, 1 thread each; all-reduce through shared memory, the default on one host)\n")
     md.append(f"This machine has **{cores} cores**: beyond {cores} workers the processes "
               "time-share the cores, so the speedup measures oversubscription, not "
               "parallel hardware. Speedup = throughput(N) / throughput(1); efficiency = "
@@ -302,7 +302,7 @@ def bandwidth(comm_entries, md, summary, svg_dir):
             pts.setdefault(int(m[2]), []).append((int(m[1]), b["real_time"] * 1e-6))
     if not pts:
         return None
-    md.append("## All-reduce (gloo, loopback) time and bandwidth vs message size\n")
+    md.append("## All-reduce time and bandwidth vs message size (ranks on one host: ddpkit's shared-memory path, the default; `DDPKIT_SHM=0` gives gloo over loopback TCP)\n")
     md.append("algbw = bytes / time; busbw = algbw · 2(N−1)/N (the ring's per-link traffic).\n")
     md.append("| bytes | world | time µs | algbw GB/s | busbw GB/s |")
     md.append("|---|---|---|---|---|")
@@ -334,7 +334,7 @@ def bandwidth(comm_entries, md, summary, svg_dir):
     summary["allreduce"] = {w: [(b, t) for b, t in xs] for w, xs in pts.items()}
     summary["allreduce_fit"] = fit
     series = [(f"world {w} algbw", [(b, b / t / 1e9) for b, t in sorted(xs)]) for w, xs in pts.items()]
-    write_svg(os.path.join(svg_dir, "bandwidth.svg"), "All-reduce bandwidth vs message size (gloo, loopback)",
+    write_svg(os.path.join(svg_dir, "bandwidth.svg"), "All-reduce bandwidth vs message size (one host, shared memory)",
               "message bytes", "GB/s", series, logx=True, logy=True, xfmt=human)
     return fit
 
@@ -367,7 +367,7 @@ def projection(summary, fit, md):
               "Efficiency = T1 / T.\n")
     links = list(LINKS)
     if fit and 2 in fit:
-        links.append(("this machine's loopback gloo (fitted)", fit[2]["bandwidth"], fit[2]["latency"]))
+        links.append(("this machine's all-reduce (fitted)", fit[2]["bandwidth"], fit[2]["latency"]))
     proj = {}
     for model, pts in sc.items():
         if 1 not in pts or not pts[1].get("grad_bytes"):
