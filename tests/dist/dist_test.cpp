@@ -490,6 +490,21 @@ TEST_SUITE("dist") {
         results.push_back(t);
       }
     }
+    // The mean (through shared memory the division happens on each slice).
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      auto t = shm_input(g.rank(), 1000003, dtype);
+      dist::all_reduce_mean_async(g, t)->wait();
+      auto want = torch::zeros({1000003}, torch::kDouble);
+      for (int q = 0; q < g.size(); ++q) {
+        want += shm_input(q, 1000003, dtype).to(torch::kDouble);
+      }
+      want /= g.size();
+      double err = (t.to(torch::kDouble) - want).abs().max().item<double>();
+      if (!(err <= 1e-5)) {
+        std::fprintf(stderr, "rank %d: mean off by %g\n", g.rank(), err);
+        return 1;
+      }
+    }
     // Overlapping asynchronous calls complete in order.
     std::vector<torch::Tensor> many;
     std::vector<dist::compat::WorkPtr> works;

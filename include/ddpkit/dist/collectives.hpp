@@ -63,6 +63,17 @@ inline compat::WorkPtr all_reduce_async(const Group& g, torch::Tensor& t,
   return g.backend()->allreduce(ts, opts);
 }
 
+/// Starts an in-place all-reduce that leaves the mean over ranks in `t`.
+/// Through shared memory the division happens on each rank's slice as it is
+/// reduced; over gloo `t` is divided first, then summed.
+inline compat::WorkPtr all_reduce_mean_async(const Group& g, torch::Tensor& t) {
+  if (g.shm() && ShmChannel::eligible(t) && t.is_floating_point()) {
+    return g.shm()->all_reduce_sum_async(t, 1.0 / g.size());
+  }
+  t.div_(g.size());
+  return all_reduce_async(g, t);
+}
+
 /// In-place all-reduce of `t` over every rank.
 inline torch::Tensor& all_reduce(const Group& g, torch::Tensor& t,
                                  Reduce op = Reduce::sum) {

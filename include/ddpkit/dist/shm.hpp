@@ -16,8 +16,8 @@
 #pragma once
 
 #include <fcntl.h>
-#include <signal.h>
 #include <linux/futex.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -183,13 +183,15 @@ class ShmChannel {
     }
   }
 
-  /// Sums `t` in place over every rank, on the channel's thread. Calls must
-  /// come in the same order on every rank (like any collective).
-  compat::WorkPtr all_reduce_sum_async(torch::Tensor t) {
+  /// Sums `t` in place over every rank, on the channel's thread, and
+  /// multiplies the sum by `scale` (e.g. 1/world for a mean: done on each
+  /// rank's slice while it is in cache, instead of another pass over `t`).
+  /// Calls must come in the same order on every rank (like any collective).
+  compat::WorkPtr all_reduce_sum_async(torch::Tensor t, double scale = 1.0) {
     auto work = c10::make_intrusive<detail::ChannelWork>();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back({std::move(t), work});
+      queue_.push_back({std::move(t), scale, work});
     }
     cv_.notify_one();
     return work;
@@ -225,6 +227,7 @@ class ShmChannel {
 
   struct Op {
     torch::Tensor tensor;
+    double scale;
     c10::intrusive_ptr<detail::ChannelWork> work;
   };
 
@@ -241,7 +244,7 @@ class ShmChannel {
       std::exception_ptr error = broken_;
       if (!error) {
         try {
-          reduce(op.tensor);
+          reduce(op.tensor, op.scale);
         } catch (...) {
           error = broken_ = std::current_exception();
         }
@@ -311,7 +314,7 @@ class ShmChannel {
     return state != 'Z' && state != 'X';
   }
 
-  void reduce(torch::Tensor& t) {
+  void reduce(torch::Tensor& t, double scale) {
     const int64_t es = static_cast<int64_t>(t.element_size());
     const int64_t per_chunk = kSlotBytes / es;
     const int64_t n = t.numel();
@@ -339,6 +342,7 @@ class ShmChannel {
           if (q == rank_) continue;
           acc.add_(torch::from_blob(slot(b, q) + lo * es, {hi - lo}, opts));
         }
+        if (scale != 1.0) acc.mul_(scale);
       }
       publish(base + 2);
       wait_all(base + 2);

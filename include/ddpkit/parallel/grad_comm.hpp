@@ -23,8 +23,7 @@ struct AllReduceMean {
   static constexpr const char* name = "allreduce_mean";
   static dist::compat::WorkPtr start(const dist::Group& g, torch::Tensor& flat,
                                      torch::Tensor&) {
-    flat.div_(g.size());
-    return dist::all_reduce_async(g, flat);
+    return dist::all_reduce_mean_async(g, flat);
   }
   static void finish(torch::Tensor&, torch::Tensor&) {}
 };
