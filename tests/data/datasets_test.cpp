@@ -136,6 +136,27 @@ TEST_SUITE("data") {
     CHECK(contains(msg, "label 10 at byte offset 9219"));
   }
 
+  TEST_CASE("a JPEG header claiming zero width is a usage error") {
+    // Found by fuzzing (tests/fuzz/regressions/image/zero-width-header):
+    // jpeg_size returned a 0-pixel-wide size instead of refusing the file.
+    ddpkit::test::TempDir tmp;
+    auto img = torch::randint(0, 256, {3, 16, 16}, torch::kUInt8);
+    write_jpeg(tmp / "small.jpg", img);
+    auto jpg = read_file_bytes(tmp / "small.jpg");
+    std::size_t sof = 0;
+    while (sof + 9 < jpg.size() && !(jpg[sof] == 0xFF && jpg[sof + 1] == 0xC0))
+      ++sof;
+    REQUIRE(sof + 9 < jpg.size());
+    jpg[sof + 7] = 0, jpg[sof + 8] = 0;  // width 0
+    auto msg = usage_error_of([&] { jpeg_size(jpg, "zero.jpg"); });
+    CHECK(contains(msg, "zero.jpg"));
+    std::ofstream(tmp / "zero.jpg", std::ios::binary)
+        .write(reinterpret_cast<const char*>(jpg.data()),
+               static_cast<std::streamsize>(jpg.size()));
+    CHECK(contains(usage_error_of([&] { decode_image(tmp / "zero.jpg"); }),
+                   "zero.jpg"));
+  }
+
   TEST_CASE(
       "decompression bombs: a tiny file claiming 60000x60000 is refused") {
     // Found by fuzzing (tests/fuzz): decoding allocated width * height * 3

@@ -81,6 +81,11 @@ inline bool image_too_large(std::int64_t height, std::int64_t width) {
 /// `kMaxImagePixels`.
 inline void check_image_pixels(std::int64_t height, std::int64_t width,
                                const std::string& name) {
+  if (height <= 0 || width <= 0) {
+    throw UsageError(ddpkit::detail::cat("image ", name, " claims ", width,
+                                         "x", height,
+                                         " pixels (a damaged header)"));
+  }
   if (image_too_large(height, width)) {
     throw UsageError(ddpkit::detail::cat(
         "image ", name, " claims ", width, "x", height, " = ", width * height,
