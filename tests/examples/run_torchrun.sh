@@ -7,11 +7,7 @@
 set -euo pipefail
 bin=$1 out=$2
 shift 2
-py=""
-for p in /usr/bin/python3 python3; do
-  if "$p" -c "import torch.distributed.run" 2>/dev/null; then py=$p; break; fi
-done
-[[ -n $py ]] || { echo "no python3 with torch: skipped"; exit 77; }
+source "$(dirname "$0")/torch_python.sh"
 rm -rf "$out"
 log=$(mktemp)
 # --redirects 2 --tee 2: Debian's torchrun 1.13 on Python 3.11 cannot parse
