@@ -155,6 +155,13 @@ TEST_SUITE("data") {
                static_cast<std::streamsize>(jpg.size()));
     CHECK(contains(usage_error_of([&] { decode_image(tmp / "zero.jpg"); }),
                    "zero.jpg"));
+    CHECK_FALSE(image_header_ok(tmp / "zero.jpg"));
+    // The thread's decoder must still work: a failed header read used to
+    // leave it mid-stream, and every later JPEG on the thread failed with
+    // "Bogus marker length".
+    auto good = decode_image(tmp / "small.jpg");
+    CHECK(good.size(0) == 3);
+    CHECK(good.size(1) == 16);
   }
 
   TEST_CASE(

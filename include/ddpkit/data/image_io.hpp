@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -82,9 +83,8 @@ inline bool image_too_large(std::int64_t height, std::int64_t width) {
 inline void check_image_pixels(std::int64_t height, std::int64_t width,
                                const std::string& name) {
   if (height <= 0 || width <= 0) {
-    throw UsageError(ddpkit::detail::cat("image ", name, " claims ", width,
-                                         "x", height,
-                                         " pixels (a damaged header)"));
+    throw UsageError(ddpkit::detail::cat("image ", name, " claims ", width, "x",
+                                         height, " pixels (a damaged header)"));
   }
   if (image_too_large(height, width)) {
     throw UsageError(ddpkit::detail::cat(
@@ -109,17 +109,39 @@ namespace detail {
 #ifdef DDPKIT_HAS_TURBOJPEG
 /// One TurboJPEG decompressor per thread, reused across images (creating
 /// one allocates the decoder's state each time).
-inline tjhandle thread_decompressor() {
-  struct Handle {
-    tjhandle h = tjInitDecompress();
-    ~Handle() {
-      if (h) tjDestroy(h);
-    }
-  };
-  thread_local Handle handle;
-  if (!handle.h) throw Error("decode_jpeg: tjInitDecompress failed");
-  return handle.h;
+struct TjHandle {
+  tjhandle h = tjInitDecompress();
+  ~TjHandle() {
+    if (h) tjDestroy(h);
+  }
+};
+inline TjHandle& thread_tj_handle() {
+  thread_local TjHandle handle;
+  return handle;
 }
+inline tjhandle thread_decompressor() {
+  auto& t = thread_tj_handle();
+  if (!t.h) throw Error("decode_jpeg: tjInitDecompress failed");
+  return t.h;
+}
+/// A failed header read can leave the decompressor mid-stream, and every
+/// later image on this thread then fails ("Bogus marker length"): after
+/// any failure, start a fresh one.
+inline void reset_thread_decompressor() {
+  auto& t = thread_tj_handle();
+  if (t.h) tjDestroy(t.h);
+  t.h = tjInitDecompress();
+}
+/// Resets the thread's decompressor when the scope is left by an exception.
+struct ResetDecompressorOnThrow {
+  int pending = std::uncaught_exceptions();
+  ResetDecompressorOnThrow() = default;
+  ResetDecompressorOnThrow(const ResetDecompressorOnThrow&) = delete;
+  ResetDecompressorOnThrow& operator=(const ResetDecompressorOnThrow&) = delete;
+  ~ResetDecompressorOnThrow() {
+    if (std::uncaught_exceptions() > pending) reset_thread_decompressor();
+  }
+};
 #endif
 
 }  // namespace detail
@@ -134,6 +156,7 @@ struct ImageSize {
 inline ImageSize jpeg_size(const std::vector<unsigned char>& bytes,
                            const std::string& name = "<memory>") {
 #ifdef DDPKIT_HAS_TURBOJPEG
+  detail::ResetDecompressorOnThrow reset_on_error;
   tjhandle h = detail::thread_decompressor();
   int w = 0, ht = 0, subsamp = 0, colorspace = 0;
   if (tjDecompressHeader3(h, bytes.data(),
@@ -176,6 +199,7 @@ inline ImageSize decode_jpeg_hwc(const std::vector<unsigned char>& bytes,
                                  const JpegDecodeOptions& opts = {},
                                  const std::string& name = "<memory>") {
 #ifdef DDPKIT_HAS_TURBOJPEG
+  detail::ResetDecompressorOnThrow reset_on_error;
   const auto size = jpeg_size(bytes, name);
   tjhandle h = detail::thread_decompressor();
   const tjscalingfactor f{opts.scale_num, 8};
@@ -606,11 +630,14 @@ inline bool image_header_ok(const std::filesystem::path& file) {
 #ifdef DDPKIT_HAS_TURBOJPEG
   if (is_jpeg(bytes)) {
     tjhandle h = detail::thread_decompressor();
-    int w, ht, s, c;
-    return tjDecompressHeader3(h, bytes.data(),
-                               static_cast<unsigned long>(bytes.size()), &w,
-                               &ht, &s, &c) == 0 &&
-           !detail::image_too_large(ht, w);
+    int w = 0, ht = 0, s = 0, c = 0;
+    const bool ok =
+        tjDecompressHeader3(h, bytes.data(),
+                            static_cast<unsigned long>(bytes.size()), &w, &ht,
+                            &s, &c) == 0 &&
+        w > 0 && ht > 0 && !detail::image_too_large(ht, w);
+    if (!ok) detail::reset_thread_decompressor();
+    return ok;
   }
 #endif
 #ifdef DDPKIT_HAS_PNG
