@@ -15,6 +15,15 @@ using namespace ddpkit::data;
 
 namespace {
 
+/// Where a baseline JPEG's SOF0 marker starts (its height and width are at
+/// +5 and +7, big-endian); jpg.size() when there is none.
+std::size_t sof0_offset(const std::vector<unsigned char>& jpg) {
+  std::size_t sof = 0;
+  while (sof + 9 < jpg.size() && !(jpg[sof] == 0xFF && jpg[sof + 1] == 0xC0))
+    ++sof;
+  return sof + 9 < jpg.size() ? sof : jpg.size();
+}
+
 std::string usage_error_of(const std::function<void()>& f) {
   try {
     f();
@@ -143,9 +152,7 @@ TEST_SUITE("data") {
     auto img = torch::randint(0, 256, {3, 16, 16}, torch::kUInt8);
     write_jpeg(tmp / "small.jpg", img);
     auto jpg = read_file_bytes(tmp / "small.jpg");
-    std::size_t sof = 0;
-    while (sof + 9 < jpg.size() && !(jpg[sof] == 0xFF && jpg[sof + 1] == 0xC0))
-      ++sof;
+    const std::size_t sof = sof0_offset(jpg);
     REQUIRE(sof + 9 < jpg.size());
     jpg[sof + 7] = 0, jpg[sof + 8] = 0;  // width 0
     auto msg = usage_error_of([&] { jpeg_size(jpg, "zero.jpg"); });
@@ -172,9 +179,7 @@ TEST_SUITE("data") {
     auto img = torch::randint(0, 256, {3, 16, 16}, torch::kUInt8);
     write_jpeg(tmp / "small.jpg", img);
     auto jpg = read_file_bytes(tmp / "small.jpg");
-    std::size_t sof = 0;
-    while (sof + 9 < jpg.size() && !(jpg[sof] == 0xFF && jpg[sof + 1] == 0xC0))
-      ++sof;
+    const std::size_t sof = sof0_offset(jpg);
     REQUIRE(sof + 9 < jpg.size());
     for (int k : {5, 7}) {  // height, width (big-endian)
       jpg[sof + k] = 60000 >> 8;
