@@ -10,7 +10,9 @@
 //                                      backward
 //   decompose/<model>/world:2/mode:M  world 2 with no communication (bare),
 //                                      reducer without sending (ddp_nocomm),
-//                                      full DDP, flat all-reduce
+//                                      full DDP, DDP with buckets outside
+//                                      shared memory (ddp_copy), flat
+//                                      all-reduce
 //   local/<kind>/<model>               in one process: bare model, world-1
 //                                      engine, reducer hooks without comm
 //
@@ -99,7 +101,8 @@ double ddp_steps(Model model, const dd::Group& g, const b::Args& a,
                 .bucket_cap_bytes(
                     static_cast<int64_t>(a.num("bucket_mib", 25) * kMiB))
                 .first_bucket_cap_bytes(
-                    static_cast<int64_t>(a.num("first_bucket_mib", 1) * kMiB));
+                    static_cast<int64_t>(a.num("first_bucket_mib", 1) * kMiB))
+                .shared_buckets(a.num("shared_buckets", 1) != 0);
   typename Policy::template engine<Model> eng(
       model, g, dp::DDPOptions().reducer(ro), dev);
   auto opt = make_sgd(*eng.module());
@@ -323,11 +326,16 @@ void register_all(const b::Args& o) {
     // (bare), plus the reducer's hooks and copies (ddp_nocomm), plus
     // communication (ddp).
     for (auto& m : overhead_models) {
-      for (auto mode : {"bare", "ddp_nocomm", "ddp", "flat"}) {
-        b::register_world("decompose/" + m.label() + "/world:2/mode:" + mode, 2,
-                          cat(cat(m.args(), steps_for(m.name, false)),
-                              {std::string("--mode=") + mode}),
-                          b::all_counters);
+      for (auto mode : {"bare", "ddp_nocomm", "ddp", "ddp_copy", "flat"}) {
+        // ddp_copy: DDP with the buckets in ordinary memory, copied through
+        // the shared-memory channel (ReducerOptions::shared_buckets(false)).
+        const bool copy = std::string(mode) == "ddp_copy";
+        b::register_world(
+            "decompose/" + m.label() + "/world:2/mode:" + mode, 2,
+            cat(cat(m.args(), steps_for(m.name, false)),
+                {std::string("--mode=") + (copy ? "ddp" : mode),
+                 copy ? "--shared_buckets=0" : "--shared_buckets=1"}),
+            b::all_counters);
       }
     }
   }

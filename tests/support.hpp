@@ -139,6 +139,22 @@ inline dist::SpawnResult run_workers(
                          .report(false));
 }
 
+/// `run_workers`, and how long it took (tests that check a failure is
+/// noticed promptly).
+struct TimedRun {
+  dist::SpawnResult result;
+  double seconds;
+};
+inline TimedRun timed_run_workers(
+    const std::string& name, int world_size, const std::string& dir = "",
+    std::vector<std::pair<std::string, std::string>> env = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto result = run_workers(name, world_size, dir, std::move(env));
+  return {std::move(result),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count()};
+}
+
 /// Loads a tensor a worker saved with `save_tensor`.
 inline torch::Tensor load_tensor(const std::filesystem::path& p) {
   torch::Tensor t;

@@ -9,8 +9,11 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefi
 if(rc)
   message(FATAL_ERROR "install failed")
 endif()
+# The consumers build with the main build's release flags (scripts/test.sh
+# uses -O1 to keep CI short).
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${work} -G Ninja
                         -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
+                        "-DCMAKE_CXX_FLAGS_RELEASE=${CXX_FLAGS_RELEASE}"
                 RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configuring the consumer failed")
@@ -29,7 +32,11 @@ set(ex_work ${BUILD_DIR}/cmake_import/example)
 file(REMOVE_RECURSE ${ex_work})
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${EXAMPLE_DIR} -B ${ex_work} -G Ninja
                         -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
+                        "-DCMAKE_CXX_FLAGS_RELEASE=${CXX_FLAGS_RELEASE}"
                         -DDDPKIT_MODE=single
+                        # one translation unit: a precompiled header would
+                        # only add its own build (CI time)
+                        -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON
                 RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configuring examples/cifar10 alone failed")

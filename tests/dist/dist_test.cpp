@@ -340,11 +340,8 @@ TEST_SUITE("dist") {
   TEST_CASE("spawn: a failing rank stops the job and is named") {
     SUBCASE("exit status 3") {
       TempDir dir;
-      auto t0 = std::chrono::steady_clock::now();
-      auto res = run_workers("exit_three_on_rank_one", 2, dir.str());
-      double secs =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-              .count();
+      auto [res, secs] =
+          test::timed_run_workers("exit_three_on_rank_one", 2, dir.str());
       MESSAGE("launcher returned after ", secs, " s");
       CHECK(res.exit_code == 3);
       REQUIRE(res.first_failure.has_value());
@@ -355,11 +352,8 @@ TEST_SUITE("dist") {
     }
     SUBCASE("SIGKILL") {
       TempDir dir;
-      auto t0 = std::chrono::steady_clock::now();
-      auto res = run_workers("sigkill_rank_two", 4, dir.str());
-      double secs =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-              .count();
+      auto [res, secs] =
+          test::timed_run_workers("sigkill_rank_two", 4, dir.str());
       MESSAGE("launcher returned after ", secs, " s");
       CHECK(res.exit_code == 128 + SIGKILL);
       REQUIRE(res.first_failure.has_value());
@@ -383,11 +377,8 @@ TEST_SUITE("dist") {
       TempDir dir;
       dist::EnvVars env;
       if (method == "tcp") env.emplace_back("DDPKIT_INIT_METHOD", "env://");
-      auto t0 = std::chrono::steady_clock::now();
-      auto res = run_workers("rendezvous_missing_rank", 2, dir.str(), env);
-      double secs =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-              .count();
+      auto [res, secs] =
+          test::timed_run_workers("rendezvous_missing_rank", 2, dir.str(), env);
       CHECK(res.exit_code == 4);
       std::ifstream in(dir / "error.txt");
       std::string msg((std::istreambuf_iterator<char>(in)), {});
@@ -505,6 +496,36 @@ TEST_SUITE("dist") {
         return 1;
       }
     }
+    // Shared buffers (the DDP reducer's buckets): slices one after another
+    // in one buffer, all started before any is waited for, reduced in
+    // place. Without shared memory the same sums on ordinary tensors.
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      int64_t total = 0;
+      for (auto n : kShmSizes) total += n + 3;  // odd offsets
+      torch::Tensor buf;
+      if (g.shm()) {
+        buf = g.shm()->shared_buffer(total, dtype);
+        if (!buf.defined() || !g.shm()->in_shared_buffer(buf)) {
+          std::fprintf(stderr, "rank %d: no shared buffer\n", g.rank());
+          return 1;
+        }
+      } else {
+        buf = torch::zeros({total}, dtype);
+      }
+      std::vector<torch::Tensor> views;
+      std::vector<dist::compat::WorkPtr> pending;
+      int64_t off = 0;
+      for (auto n : kShmSizes) {
+        auto v = buf.narrow(0, off + 3, n);
+        v.copy_(shm_input(g.rank(), n, dtype));
+        if (g.shm() && n > 0 && !g.shm()->in_shared_buffer(v)) return 1;
+        views.push_back(v);
+        pending.push_back(dist::all_reduce_async(g, views.back()));
+        off += n + 3;
+      }
+      for (auto& w : pending) w->wait();
+      for (auto& v : views) results.push_back(v.clone());
+    }
     // Overlapping asynchronous calls complete in order.
     std::vector<torch::Tensor> many;
     std::vector<dist::compat::WorkPtr> works;
@@ -565,7 +586,65 @@ TEST_SUITE("dist") {
             ++k;
           }
         }
+        // The same sums from shared buffers (reduced in place).
+        for (auto dtype : {torch::kFloat, torch::kDouble}) {
+          for (auto n : kShmSizes) {
+            auto want = shm_input(0, n, dtype).to(torch::kDouble);
+            for (int q = 1; q < world; ++q) {
+              want += shm_input(q, n, dtype).to(torch::kDouble);
+            }
+            CAPTURE(n);
+            REQUIRE(k < got[0].size());
+            double err = n == 0 ? 0.0
+                                : (got[0][k].to(torch::kDouble) - want)
+                                      .abs()
+                                      .max()
+                                      .item<double>();
+            CHECK(err <= (dtype == torch::kFloat ? 1e-5 : 1e-12));
+            for (int r = 1; r < world; ++r)
+              CHECK(torch::equal(got[r][k], got[0][k]));
+            ++k;
+          }
+        }
+        CHECK(k == got[0].size());
       }
+    }
+  }
+
+  // Ranks that disagree on a collective's size fail with an error naming
+  // both sizes instead of hanging or mixing data.
+  DDPKIT_WORKER(shm_mismatch) {
+    auto g = ddpkit::test::worker_group();
+    if (!g.shm()) return 2;
+    std::string what = "no error";
+    try {
+      auto t = torch::ones({10 + g.rank()});
+      dist::all_reduce(g, t);
+    } catch (const ddpkit::Error& e) {
+      what = e.what();
+    }
+    std::ofstream(ddpkit::test::worker_dir() /
+                  ("mismatch" + std::to_string(g.rank()) + ".txt"))
+        << what << "\n";
+    return 0;
+  }
+
+  TEST_CASE(
+      "shared-memory all-reduce: ranks reducing different sizes fail, "
+      "naming both") {
+    TempDir dir;
+    auto res = run_workers("shm_mismatch", 2, dir.str());
+    REQUIRE(res.ok());
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(dir / ("mismatch" + std::to_string(r) + ".txt"));
+      std::string what;
+      std::getline(in, what);
+      CAPTURE(what);
+      CHECK(what.find("all-reduce mismatch") != std::string::npos);
+      CHECK(what.find("reduces " + std::to_string(10 + r) + " elements") !=
+            std::string::npos);
+      CHECK(what.find("reduces " + std::to_string(11 - r) + " elements") !=
+            std::string::npos);
     }
   }
 

@@ -67,6 +67,18 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
     std::fprintf(stderr, "rank %d: not identical after construction\n", r);
     return 10;
   }
+  // With every rank on this host the buckets live in shared memory (unless
+  // turned off), so their all-reduces run in place.
+  if (eng.reducer()) {
+    const bool want = g.shm() && opts.reducer().shared_buckets();
+    for (const auto& b : eng.reducer()->buckets()) {
+      if ((g.shm() && g.shm()->in_shared_buffer(b.flat)) != want) {
+        std::fprintf(stderr, "rank %d: bucket %s shared memory\n", r,
+                     want ? "not in" : "in");
+        return 12;
+      }
+    }
+  }
   auto opt = test::make_sgd(*net);
   for (int s = 0; s < kSteps; ++s) {
     auto [x, y] = test::global_batch(s, w * kPerRank);
@@ -128,6 +140,7 @@ DDPKIT_WORKER(ddp_train) {
   opts.reducer().first_bucket_cap_bytes(
       std::min<int64_t>(opts.reducer().bucket_cap_bytes(), 1 << 20));
   opts.trace_path(env_or("T_TRACE", ""));
+  opts.reducer().shared_buckets(env_or("T_SHARED", "1") == "1");
   if (comm == "fp16")
     return train_ddp_worker<parallel::DDPFp16>(opts, bn, nosync);
   if (comm == "bf16")
@@ -230,14 +243,22 @@ TEST_SUITE("parallel") {
     CHECK(d <= 1e-5);
   }
 
-  TEST_CASE("DDP over gloo's TCP (shared memory off) equals one process") {
-    TempDir dir;
-    REQUIRE(run_workers("ddp_train", 2, dir.str(), {{"DDPKIT_SHM", "0"}}).ok());
+  TEST_CASE(
+      "DDP over gloo's TCP, and with buckets copied through shared memory, "
+      "equals one process") {
     auto ref = reference(2, false);
-    auto net = load_net(dir / "net1.pt", false);
-    double d = test::max_state_diff(*net, *ref);
-    MESSAGE("gloo: max relative difference ", d);
-    CHECK(d <= 1e-5);
+    for (auto [name, env] : std::vector<std::pair<
+             std::string, std::vector<std::pair<std::string, std::string>>>>{
+             {"gloo", {{"DDPKIT_SHM", "0"}}},
+             {"copied buckets", {{"T_SHARED", "0"}}}}) {
+      CAPTURE(name);
+      TempDir dir;
+      REQUIRE(run_workers("ddp_train", 2, dir.str(), env).ok());
+      auto net = load_net(dir / "net1.pt", false);
+      double d = test::max_state_diff(*net, *ref);
+      MESSAGE(name, ": max relative difference ", d);
+      CHECK(d <= 1e-5);
+    }
   }
 
   TEST_CASE(

@@ -499,11 +499,7 @@ DDPKIT_WORKER(world_size_mismatch) {
 TEST_SUITE("train") {
   TEST_CASE("uneven inputs are refused before the epoch, on every rank") {
     TempDir dir;
-    auto t0 = std::chrono::steady_clock::now();
-    auto res = run_workers("uneven_inputs", 2, dir.str());
-    double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-            .count();
+    auto [res, secs] = test::timed_run_workers("uneven_inputs", 2, dir.str());
     CHECK(res.exit_code == 2);
     CHECK(secs < 10);
     for (int r = 0; r < 2; ++r) {
@@ -516,11 +512,8 @@ TEST_SUITE("train") {
 
   TEST_CASE("ranks started with different world sizes fail at start-up") {
     TempDir dir;
-    auto t0 = std::chrono::steady_clock::now();
-    auto res = run_workers("world_size_mismatch", 2, dir.str());
-    double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-            .count();
+    auto [res, secs] =
+        test::timed_run_workers("world_size_mismatch", 2, dir.str());
     CHECK(res.exit_code == 2);
     CHECK(secs < 10);
     auto msg = read_file(dir / "error1");

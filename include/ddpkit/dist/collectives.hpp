@@ -19,14 +19,21 @@ namespace detail {
 
 inline void wait(const Group& g, const compat::WorkPtr& work,
                  const char* what) {
-  try {
-    work->wait();
-  } catch (const std::exception& e) {
+  auto peer_failed = [&](const std::exception& e) {
     std::string msg = e.what();
     throw PeerFailure(ddpkit::detail::cat(
         "rank ", g.rank(), ": ", what, " failed (a peer may have died or the ",
         "collective timed out after ", g.timeout().count() / 1000.0,
         " s): ", msg.substr(0, msg.find('\n'))));
+  };
+  try {
+    work->wait();
+  } catch (const PeerFailure& e) {
+    peer_failed(e);
+  } catch (const DistError&) {
+    throw;  // e.g. ranks that disagree on the collective: said precisely
+  } catch (const std::exception& e) {
+    peer_failed(e);
   }
 }
 

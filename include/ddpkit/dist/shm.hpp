@@ -76,6 +76,112 @@ inline std::string from_bytes(const std::vector<uint8_t>& b) {
 
 }  // namespace detail
 
+/// A segment mapped by every rank of a host, made by a collective over the
+/// store: rank 0 creates it (fully allocated: a full /dev/shm fails here,
+/// not later with SIGBUS), every rank maps it, and its name is removed as
+/// soon as all have, so a crash leaves nothing behind. Null on every rank
+/// unless every rank mapped it.
+class ShmSegment {
+ public:
+  static std::shared_ptr<ShmSegment> create(const compat::StorePtr& store,
+                                            const std::string& key, int rank,
+                                            int world, std::size_t bytes) {
+    using ddpkit::detail::cat;
+    std::string path;
+    if (rank == 0) {
+      std::random_device rd;
+      path = cat("/dev/shm/ddpkit-", ::getpid(), "-", rd());
+      int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+      if (fd < 0 || ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) != 0) {
+        if (fd >= 0) ::close(fd);
+        ::unlink(path.c_str());
+        path.clear();  // tells the others: no segment
+      } else {
+        ::close(fd);
+      }
+      store->set(key + "path", detail::to_bytes(path.empty() ? "-" : path));
+    } else {
+      path = detail::from_bytes(store->get(key + "path"));
+      if (path == "-") path.clear();
+    }
+    std::shared_ptr<ShmSegment> seg;
+    if (!path.empty()) {
+      int fd = ::open(path.c_str(), O_RDWR);
+      if (fd >= 0) {
+        void* base =
+            ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        ::close(fd);
+        if (base != MAP_FAILED) {
+          seg.reset(new ShmSegment(static_cast<char*>(base), bytes));
+        }
+      }
+    }
+    // Everyone reports; the segment is used only if every rank mapped it.
+    store->set(cat(key, "ok/", rank), detail::to_bytes(seg ? "1" : "0"));
+    bool all_ok = true;
+    for (int r = 0; r < world; ++r) {
+      all_ok &= detail::from_bytes(store->get(cat(key, "ok/", r))) == "1";
+    }
+    // Every rank has opened the file (or given up): its name can go.
+    auto left = store->add(key + "attached", 1);
+    if (rank == 0 && !path.empty()) {
+      while (left < world) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        left = store->add(key + "attached", 0);
+      }
+      ::unlink(path.c_str());
+    }
+    return all_ok ? seg : nullptr;
+  }
+
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment() {
+    ::munmap(base_, bytes_);
+  }
+  char* data() const {
+    return base_;
+  }
+  std::size_t size() const {
+    return bytes_;
+  }
+
+ private:
+  ShmSegment(char* base, std::size_t bytes) : base_(base), bytes_(bytes) {}
+  char* base_;
+  std::size_t bytes_;
+};
+
+/// Buffers every rank of a host can read: one region per rank, equal in
+/// size, in one shared segment. Tensors allocated here (`ShmChannel::
+/// shared_buffer`) are reduced in place: each rank sums its slice straight
+/// from the others' regions and copies the others' reduced slices, so the
+/// data is not copied into the channel and back out.
+class ShmArena {
+ public:
+  ShmArena(std::shared_ptr<ShmSegment> seg, std::size_t region_bytes, int rank)
+      : seg_(std::move(seg)), region_bytes_(region_bytes), rank_(rank) {}
+  char* region(int r) const {
+    return seg_->data() + static_cast<std::size_t>(r) * region_bytes_;
+  }
+  std::size_t region_bytes() const {
+    return region_bytes_;
+  }
+  /// Whether [p, p + n) lies in this rank's region; its offset there.
+  bool holds(const void* p, std::size_t n, std::size_t* offset) const {
+    auto* c = static_cast<const char*>(p);
+    const char* mine = region(rank_);
+    if (c < mine || c + n > mine + region_bytes_) return false;
+    *offset = static_cast<std::size_t>(c - mine);
+    return true;
+  }
+
+ private:
+  std::shared_ptr<ShmSegment> seg_;
+  std::size_t region_bytes_;
+  int rank_;
+};
+
 /// Shared-memory all-reduce (sum) among ranks on one host. Created by
 /// `Group::init` when every rank is on this host (option
 /// `GroupOptions::shared_memory`, environment `DDPKIT_SHM=0` to turn off);
@@ -101,58 +207,55 @@ class ShmChannel {
     }
     if (!same_host) return nullptr;  // the same answer on every rank
 
-    const std::size_t header = header_bytes(world);
     const std::size_t total =
-        header + 2 * static_cast<std::size_t>(world) * kSlotBytes;
-    std::string path;
-    if (rank == 0) {
-      std::random_device rd;
-      path = cat("/dev/shm/ddpkit-", ::getpid(), "-", rd());
-      int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-      if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(total)) != 0) {
-        if (fd >= 0) ::close(fd);
-        ::unlink(path.c_str());
-        path.clear();  // tells the others: no segment
-      } else {
-        ::close(fd);
-      }
-      store->set(k + "path", detail::to_bytes(path.empty() ? "-" : path));
-    } else {
-      path = detail::from_bytes(store->get(k + "path"));
-      if (path == "-") path.clear();
-    }
-    std::unique_ptr<ShmChannel> ch;
-    if (!path.empty()) {
-      int fd = ::open(path.c_str(), O_RDWR);
-      if (fd >= 0) {
-        void* base =
-            ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        ::close(fd);
-        if (base != MAP_FAILED) {
-          ch.reset(new ShmChannel(static_cast<char*>(base), total, rank, world,
-                                  timeout));
-        }
-      }
-    }
-    // Everyone reports; the channel is used only if every rank mapped it.
-    store->set(cat(k, "ok/", rank), detail::to_bytes(ch ? "1" : "0"));
-    bool all_ok = true;
-    for (int r = 0; r < world; ++r) {
-      all_ok &= detail::from_bytes(store->get(cat(k, "ok/", r))) == "1";
-    }
-    // Every rank has opened the file (or given up): its name can go, so a
-    // crash leaves nothing behind in /dev/shm.
-    auto left = store->add(k + "attached", 1);
-    if (rank == 0 && !path.empty()) {
-      while (left < world) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        left = store->add(k + "attached", 0);
-      }
-      ::unlink(path.c_str());
-    }
-    if (!all_ok) return nullptr;
+        header_bytes(world) + 2 * static_cast<std::size_t>(world) * kSlotBytes;
+    auto seg = ShmSegment::create(store, k, rank, world, total);
+    if (!seg) return nullptr;
+    std::shared_ptr<ShmChannel> ch(
+        new ShmChannel(std::move(seg), store, rank, world, timeout));
     ch->start();
-    return std::shared_ptr<ShmChannel>(ch.release());
+    return ch;
+  }
+
+  /// Collective: a zeroed buffer of `numel` elements of `dtype` in shared
+  /// memory, whose all-reduces skip the copies through the channel's slots
+  /// (the DDP reducer keeps its gradient buckets here). Every rank must ask
+  /// for the same size; undefined on every rank when the segment cannot be
+  /// made (e.g. /dev/shm too small), so callers fall back to ordinary
+  /// memory.
+  torch::Tensor shared_buffer(int64_t numel, torch::ScalarType dtype) {
+    using ddpkit::detail::cat;
+    const std::string k = cat("ddpkit/shm/arena/", arenas_made_++, "/");
+    const std::size_t bytes =
+        (static_cast<std::size_t>(numel) * c10::elementSize(dtype) + 4095) /
+        4096 * 4096;
+    // Every rank must agree on the size, or nobody uses the segment.
+    store_->set(cat(k, "bytes/", rank_),
+                detail::to_bytes(std::to_string(bytes)));
+    bool same = true;
+    for (int r = 0; r < world_; ++r) {
+      same &= detail::from_bytes(store_->get(cat(k, "bytes/", r))) ==
+              std::to_string(bytes);
+    }
+    if (!same || numel <= 0) return {};
+    auto seg = ShmSegment::create(store_, k, rank_, world_,
+                                  bytes * static_cast<std::size_t>(world_));
+    if (!seg) return {};
+    auto arena = std::make_shared<ShmArena>(std::move(seg), bytes, rank_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      arenas_.push_back(arena);
+    }
+    char* mine = arena->region(rank_);
+    return torch::from_blob(
+        mine, {numel}, [arena](void*) {}, torch::TensorOptions().dtype(dtype));
+  }
+
+  /// Whether `t` lies in a buffer from `shared_buffer` (and is reduced in
+  /// place).
+  bool in_shared_buffer(const torch::Tensor& t) {
+    std::size_t off = 0;
+    return find_arena(t, &off) != nullptr;
   }
 
   ShmChannel(const ShmChannel&) = delete;
@@ -165,7 +268,6 @@ class ShmChannel {
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
-    ::munmap(base_, bytes_);
   }
 
   /// Whether `t` can go through the channel: a contiguous CPU tensor of a
@@ -186,37 +288,54 @@ class ShmChannel {
   /// Sums `t` in place over every rank, on the channel's thread, and
   /// multiplies the sum by `scale` (e.g. 1/world for a mean: done on each
   /// rank's slice while it is in cache, instead of another pass over `t`).
-  /// Calls must come in the same order on every rank (like any collective).
+  /// Calls must come in the same order on every rank (like any collective);
+  /// ranks that disagree on the tensor's size or type, or on whether it is a
+  /// shared buffer, all fail with an error saying so.
   compat::WorkPtr all_reduce_sum_async(torch::Tensor t, double scale = 1.0) {
     auto work = c10::make_intrusive<detail::ChannelWork>();
+    std::size_t offset = 0;
+    auto arena = find_arena(t, &offset);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back({std::move(t), scale, work});
+      queue_.push_back({std::move(t), scale, std::move(arena), offset, work});
     }
     cv_.notify_one();
     return work;
   }
 
  private:
-  // One cache line per rank: its sequence word (futex) and its pid.
+  // One cache line per rank: its sequence word (futex), its pid, and what
+  // its current operation is (checked against the others').
+  struct OpDesc {
+    int64_t numel;
+    int64_t dtype;
+    int64_t offset;  // in the shared buffer; -1: through the slots
+    bool operator==(const OpDesc& o) const {
+      return numel == o.numel && dtype == o.dtype && offset == o.offset;
+    }
+  };
   struct alignas(64) RankLine {
     std::atomic<uint32_t> seq;
     int32_t pid;
+    // By operation parity: a rank that has passed an operation's first
+    // barrier may announce the next one while others still read this one
+    // (an empty tensor has no second barrier), but it cannot get further.
+    OpDesc desc[2];
   };
   static std::size_t header_bytes(int world) {
     std::size_t b = sizeof(RankLine) * static_cast<std::size_t>(world);
     return (b + 4095) / 4096 * 4096;
   }
 
-  ShmChannel(char* base, std::size_t bytes, int rank, int world,
-             std::chrono::milliseconds timeout)
-      : base_(base),
-        bytes_(bytes),
+  ShmChannel(std::shared_ptr<ShmSegment> seg, compat::StorePtr store, int rank,
+             int world, std::chrono::milliseconds timeout)
+      : seg_(std::move(seg)),
+        store_(std::move(store)),
         rank_(rank),
         world_(world),
         timeout_(timeout) {
-    lines_ = reinterpret_cast<RankLine*>(base_);
-    data_ = base_ + header_bytes(world);
+    lines_ = reinterpret_cast<RankLine*>(seg_->data());
+    data_ = seg_->data() + header_bytes(world);
     lines_[rank_].pid = static_cast<int32_t>(::getpid());
     lines_[rank_].seq.store(0, std::memory_order_release);
   }
@@ -228,8 +347,30 @@ class ShmChannel {
   struct Op {
     torch::Tensor tensor;
     double scale;
+    std::shared_ptr<ShmArena> arena;  // null: through the slots
+    std::size_t offset;               // of the tensor in the arena region
     c10::intrusive_ptr<detail::ChannelWork> work;
   };
+
+  std::shared_ptr<ShmArena> find_arena(const torch::Tensor& t,
+                                       std::size_t* offset) {
+    if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous()) {
+      return nullptr;
+    }
+    const std::size_t n =
+        static_cast<std::size_t>(t.numel()) * t.element_size();
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = arenas_.begin(); it != arenas_.end();) {
+      auto a = it->lock();
+      if (!a) {
+        it = arenas_.erase(it);  // its buffers are gone
+        continue;
+      }
+      if (a->holds(t.data_ptr(), n, offset)) return a;
+      ++it;
+    }
+    return nullptr;
+  }
 
   void loop() {
     for (;;) {
@@ -244,7 +385,11 @@ class ShmChannel {
       std::exception_ptr error = broken_;
       if (!error) {
         try {
-          reduce(op.tensor, op.scale);
+          if (op.arena) {
+            reduce_in_place(op);
+          } else {
+            reduce(op.tensor, op.scale);
+          }
         } catch (...) {
           error = broken_ = std::current_exception();
         }
@@ -262,9 +407,13 @@ class ShmChannel {
               nullptr, nullptr, 0);
   }
 
-  void publish(uint32_t value) {
-    lines_[rank_].seq.store(value, std::memory_order_release);
+  // Every rank arrives at the next barrier: publishes its sequence number
+  // and waits until every other rank has published it too.
+  void barrier() {
+    const uint32_t target = ++seq_;
+    lines_[rank_].seq.store(target, std::memory_order_release);
     futex_wake(&lines_[rank_].seq);
+    wait_all(target);
   }
 
   // Waits until every rank's sequence word has reached `target`.
@@ -302,6 +451,32 @@ class ShmChannel {
     }
   }
 
+  // Announces this rank's operation, meets the others, and checks that they
+  // all started the same one: a mismatch (different sizes, types, or one
+  // rank in a shared buffer and another not) would otherwise mix unrelated
+  // data or hang.
+  void start_op(const OpDesc& mine) {
+    const int k = static_cast<int>(ops_++ & 1);
+    lines_[rank_].desc[k] = mine;
+    barrier();
+    for (int q = 0; q < world_; ++q) {
+      const OpDesc theirs = lines_[q].desc[k];
+      if (!(theirs == mine)) {
+        auto say = [](const OpDesc& d) {
+          return ddpkit::detail::cat(
+              d.numel, " elements of ",
+              c10::toString(static_cast<c10::ScalarType>(d.dtype)),
+              d.offset >= 0 ? " in a shared buffer" : "");
+        };
+        throw DistError(ddpkit::detail::cat(
+            "rank ", rank_, ": all-reduce mismatch: this rank reduces ",
+            say(mine), ", rank ", q, " reduces ", say(theirs),
+            " (every rank must call the same collectives with tensors of the "
+            "same size and type, in the same order)"));
+      }
+    }
+  }
+
   // Whether `pid` still runs (a zombie, dead but not yet reaped, does not).
   static bool alive(int pid) {
     if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
@@ -314,28 +489,36 @@ class ShmChannel {
     return state != 'Z' && state != 'X';
   }
 
+  std::pair<int64_t, int64_t> slice(int64_t len, int q) const {
+    return {len * q / world_, len * (q + 1) / world_};
+  }
+
+  // Through the slots, in chunks: copy in, reduce my slice of every rank's
+  // chunk, copy every reduced slice out.
   void reduce(torch::Tensor& t, double scale) {
     const int64_t es = static_cast<int64_t>(t.element_size());
     const int64_t per_chunk = kSlotBytes / es;
     const int64_t n = t.numel();
     char* user = static_cast<char*>(t.data_ptr());
     const auto opts = t.options();
-    if (n == 0) return;  // the same on every rank: nothing to exchange
+    const OpDesc desc{n, static_cast<int64_t>(t.scalar_type()), -1};
+    if (n == 0) {  // nothing to exchange, once all agree on that
+      start_op(desc);
+      return;
+    }
     for (int64_t done = 0; done < n;) {
       const int64_t len = std::min(per_chunk, n - done);
-      const int b = static_cast<int>(chunk_ & 1);
-      const uint32_t base = static_cast<uint32_t>(chunk_) * 2;
+      const int b = static_cast<int>(chunk_++ & 1);
       char* src = user + done * es;
       // 1. my chunk into my slot
       std::memcpy(slot(b, rank_), src, static_cast<std::size_t>(len * es));
-      publish(base + 1);
-      wait_all(base + 1);
+      if (done == 0) {
+        start_op(desc);
+      } else {
+        barrier();
+      }
       // 2. reduce my slice of every rank's chunk, in my slot
-      auto seg = [&](int q) {
-        return std::pair<int64_t, int64_t>{len * q / world_,
-                                           len * (q + 1) / world_};
-      };
-      auto [lo, hi] = seg(rank_);
+      auto [lo, hi] = slice(len, rank_);
       if (hi > lo) {
         auto acc = torch::from_blob(slot(b, rank_) + lo * es, {hi - lo}, opts);
         for (int q = 0; q < world_; ++q) {
@@ -344,31 +527,67 @@ class ShmChannel {
         }
         if (scale != 1.0) acc.mul_(scale);
       }
-      publish(base + 2);
-      wait_all(base + 2);
+      barrier();
       // 3. every rank's reduced slice out
       for (int q = 0; q < world_; ++q) {
-        auto [qlo, qhi] = seg(q);
+        auto [qlo, qhi] = slice(len, q);
         std::memcpy(src + qlo * es, slot(b, q) + qlo * es,
                     static_cast<std::size_t>((qhi - qlo) * es));
       }
-      ++chunk_;
       done += len;
     }
   }
 
-  char* base_;
-  std::size_t bytes_;
+  // In a shared buffer: every rank reduces its slice straight from the
+  // others' regions into its own, then copies the others' reduced slices.
+  // The last barrier keeps a rank from writing its buffer again (the next
+  // backward) while another still reads it.
+  void reduce_in_place(Op& op) {
+    auto& t = op.tensor;
+    const int64_t es = static_cast<int64_t>(t.element_size());
+    const int64_t n = t.numel();
+    const auto opts = t.options();
+    start_op({n, static_cast<int64_t>(t.scalar_type()),
+              static_cast<int64_t>(op.offset)});
+    if (n == 0) return;
+    auto at = [&](int q, int64_t element) {
+      return op.arena->region(q) + op.offset + element * es;
+    };
+    auto [lo, hi] = slice(n, rank_);
+    if (hi > lo) {
+      auto acc = torch::from_blob(at(rank_, lo), {hi - lo}, opts);
+      for (int q = 0; q < world_; ++q) {
+        if (q == rank_) continue;
+        acc.add_(torch::from_blob(at(q, lo), {hi - lo}, opts));
+      }
+      if (op.scale != 1.0) acc.mul_(op.scale);
+    }
+    barrier();
+    for (int q = 0; q < world_; ++q) {
+      if (q == rank_) continue;
+      auto [qlo, qhi] = slice(n, q);
+      std::memcpy(at(rank_, qlo), at(q, qlo),
+                  static_cast<std::size_t>((qhi - qlo) * es));
+    }
+    barrier();
+  }
+
+  std::shared_ptr<ShmSegment> seg_;
+  compat::StorePtr store_;
   int rank_;
   int world_;
   std::chrono::milliseconds timeout_;
   RankLine* lines_ = nullptr;
   char* data_ = nullptr;
   uint64_t chunk_ = 0;  // chunks done: the same count on every rank
+  uint32_t seq_ = 0;    // barriers passed: the same count on every rank
+  uint64_t ops_ = 0;    // operations started: the same count on every rank
+  int arenas_made_ = 0;
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Op> queue_;
+  std::vector<std::weak_ptr<ShmArena>> arenas_;
   bool stop_ = false;
   std::exception_ptr broken_;
   std::thread thread_;
