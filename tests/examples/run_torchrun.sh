@@ -12,7 +12,8 @@ rm -rf "$out"
 log=$(mktemp)
 # --redirects 2 --tee 2: Debian's torchrun 1.13 on Python 3.11 cannot parse
 # the default "0" (IntFlag no longer iterates Std.NONE) and crashes.
-"$py" -m torch.distributed.run --standalone --nproc_per_node=2 --redirects 2 --tee 2 --no_python \
+new_rdzv
+"$py" -m torch.distributed.run "${standalone[@]}" --nproc_per_node=2 --redirects 2 --tee 2 --no_python \
   "$bin" --out "$out" --epochs 1 "$@" 2>&1 | tee "$log"
 grep -q '"world_size": 2' "$out/summary.json" || { echo "summary does not say world_size 2"; exit 1; }
 [[ $(grep -c '"epoch"' "$out/metrics.jsonl") == 1 ]] || { echo "expected 1 metrics row"; exit 1; }

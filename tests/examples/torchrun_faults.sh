@@ -29,7 +29,8 @@ trap cleanup EXIT
 torchrun() {  # torchrun flags... binary args... (run with &: $! is torchrun)
   # --redirects 2 --tee 2: Debian's torchrun 1.13 on Python 3.11 cannot parse
   # the default "0" and crashes.
-  exec "$py" -m torch.distributed.run --standalone --nproc_per_node=2 \
+  new_rdzv
+  exec "$py" -m torch.distributed.run "${standalone[@]}" --nproc_per_node=2 \
     --redirects 2 --tee 2 "$@"
 }
 
