@@ -129,7 +129,8 @@ double ddp_steps(Model model, const dd::Group& g, const b::Args& a,
 
 /// Rank task `train`, `--mode=`: `ddp` (the DDP engine), `ddp_nocomm` (the
 /// engine with a strategy that sends nothing), `flat` (the bare model, then
-/// one all-reduce of all gradients as a flat buffer), `bare` (the bare model
+/// one all-reduce of all gradients as a flat buffer, in shared memory like
+/// the reducer's buckets), `bare` (the bare model
 /// in every rank, no communication).
 template <class Model>
 b::Values train(Model model, const dd::Group& g, const b::Args& a) {
@@ -163,7 +164,14 @@ b::Values train(Model model, const dd::Group& g, const b::Args& a) {
     auto opt = make_sgd(*model);
     int64_t numel = 0;
     for (auto& p : params) numel += p.numel();
-    auto flat = torch::zeros({numel}, params[0].options());
+    // Like the reducer's buckets, the flat buffer lives in shared memory
+    // when the ranks share a host (reduced in place), so the two compare
+    // the same transport.
+    torch::Tensor flat;
+    if (comm && g.shm() && a.num("shared_buckets", 1) != 0) {
+      flat = g.shm()->shared_buffer(numel, params[0].scalar_type());
+    }
+    if (!flat.defined()) flat = torch::zeros({numel}, params[0].options());
     dd::barrier(g);
     for (int i = 0; i < warmup + steps; ++i) {
       auto t0 = b::clock::now();
