@@ -611,6 +611,60 @@ TEST_SUITE("dist") {
     }
   }
 
+  // A /dev/shm too small for a shared buffer (Docker's default is 64 MiB):
+  // `shared_buffer` is undefined on every rank (the reducer then uses
+  // ordinary buckets), smaller buffers still work. Run inside a 12 MiB
+  // /dev/shm by the test case below.
+  DDPKIT_WORKER(shm_small_devshm) {
+    auto g = ddpkit::test::worker_group();
+    if (!g.shm()) return 2;  // the channel's own 8 MiB segment must fit
+    // 16 MiB per rank, 32 MiB in all: more than /dev/shm holds.
+    auto big = g.shm()->shared_buffer(int64_t{4} << 20, torch::kFloat);
+    if (big.defined()) return 3;
+    auto small = g.shm()->shared_buffer(1000, torch::kFloat);
+    if (!small.defined() || !g.shm()->in_shared_buffer(small)) return 4;
+    small.fill_(static_cast<float>(g.rank() + 1));
+    dist::all_reduce(g, small);
+    if (!torch::equal(small, torch::full({1000}, 3.0f))) return 5;
+    return 0;
+  }
+
+  // Runs only inside the private mount namespace the next case sets up.
+  TEST_CASE("shared-memory all-reduce: inside a 12 MiB /dev/shm" *
+            doctest::skip(std::getenv("DDPKIT_TEST_SMALL_SHM") == nullptr)) {
+    TempDir dir;
+    auto res = run_workers("shm_small_devshm", 2, dir.str());
+    CAPTURE(res.message);
+    CHECK(res.ok());
+  }
+
+  TEST_CASE(
+      "shared-memory all-reduce: a /dev/shm too small for a shared buffer "
+      "means ordinary memory, not a crash") {
+    if (std::system("unshare -m sh -c 'mount -t tmpfs -o size=12m tmpfs "
+                    "/dev/shm' >/dev/null 2>&1") != 0) {
+      MESSAGE(
+          "skipped: no private mount namespace with its own /dev/shm "
+          "here (unshare -m + mount need CAP_SYS_ADMIN)");
+      return;
+    }
+    TempDir dir;
+    const auto exe = std::filesystem::read_symlink("/proc/self/exe").string();
+    const auto log = (dir / "log").string();
+    const std::string cmd =
+        "DDPKIT_TEST_SMALL_SHM=1 unshare -m sh -c 'mount -t tmpfs -o "
+        "size=12m tmpfs /dev/shm && exec \"$0\" --force-colors=0 "
+        "--test-case=\"*inside a 12 MiB /dev/shm\"' '" +
+        exe + "' > '" + log + "' 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::ifstream in(log);
+    std::string out((std::istreambuf_iterator<char>(in)), {});
+    CAPTURE(out);
+    CHECK(rc == 0);
+    CHECK(out.find(" 1 passed") != std::string::npos);  // ran, not skipped
+    CHECK(out.find("Status: SUCCESS") != std::string::npos);
+  }
+
   // Ranks that disagree on a collective's size fail with an error naming
   // both sizes instead of hanging or mixing data.
   DDPKIT_WORKER(shm_mismatch) {
