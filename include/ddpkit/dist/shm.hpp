@@ -74,6 +74,18 @@ inline std::string from_bytes(const std::vector<uint8_t>& b) {
   return {b.begin(), b.end()};
 }
 
+/// Every rank posts `value` under `key`/<rank>; true on every rank iff all
+/// posted the same value (a collective over the store).
+inline bool all_ranks_say(const compat::StorePtr& store, const std::string& key,
+                          int rank, int world, const std::string& value) {
+  store->set(ddpkit::detail::cat(key, rank), to_bytes(value));
+  bool same = true;
+  for (int r = 0; r < world; ++r) {
+    same &= from_bytes(store->get(ddpkit::detail::cat(key, r))) == value;
+  }
+  return same;
+}
+
 }  // namespace detail
 
 /// A segment mapped by every rank of a host, made by a collective over the
@@ -117,11 +129,9 @@ class ShmSegment {
       }
     }
     // Everyone reports; the segment is used only if every rank mapped it.
-    store->set(cat(key, "ok/", rank), detail::to_bytes(seg ? "1" : "0"));
-    bool all_ok = true;
-    for (int r = 0; r < world; ++r) {
-      all_ok &= detail::from_bytes(store->get(cat(key, "ok/", r))) == "1";
-    }
+    const bool all_ok = detail::all_ranks_say(store, key + "ok/", rank, world,
+                                              seg ? "1" : "0") &&
+                        seg;
     // Every rank has opened the file (or given up): its name can go.
     auto left = store->add(key + "attached", 1);
     if (rank == 0 && !path.empty()) {
@@ -142,9 +152,6 @@ class ShmSegment {
   char* data() const {
     return base_;
   }
-  std::size_t size() const {
-    return bytes_;
-  }
 
  private:
   ShmSegment(char* base, std::size_t bytes) : base_(base), bytes_(bytes) {}
@@ -163,9 +170,6 @@ class ShmArena {
       : seg_(std::move(seg)), region_bytes_(region_bytes), rank_(rank) {}
   char* region(int r) const {
     return seg_->data() + static_cast<std::size_t>(r) * region_bytes_;
-  }
-  std::size_t region_bytes() const {
-    return region_bytes_;
   }
   /// Whether [p, p + n) lies in this rank's region; its offset there.
   bool holds(const void* p, std::size_t n, std::size_t* offset) const {
@@ -198,14 +202,10 @@ class ShmChannel {
       std::chrono::milliseconds timeout) {
     using ddpkit::detail::cat;
     const std::string k = "ddpkit/shm/";
-    store->set(cat(k, "host/", rank),
-               detail::to_bytes(detail::host_identity()));
-    bool same_host = true;
-    const auto mine = detail::host_identity();
-    for (int r = 0; r < world; ++r) {
-      same_host &= detail::from_bytes(store->get(cat(k, "host/", r))) == mine;
+    if (!detail::all_ranks_say(store, k + "host/", rank, world,
+                               detail::host_identity())) {
+      return nullptr;  // the same answer on every rank
     }
-    if (!same_host) return nullptr;  // the same answer on every rank
 
     const std::size_t total =
         header_bytes(world) + 2 * static_cast<std::size_t>(world) * kSlotBytes;
@@ -230,14 +230,11 @@ class ShmChannel {
         (static_cast<std::size_t>(numel) * c10::elementSize(dtype) + 4095) /
         4096 * 4096;
     // Every rank must agree on the size, or nobody uses the segment.
-    store_->set(cat(k, "bytes/", rank_),
-                detail::to_bytes(std::to_string(bytes)));
-    bool same = true;
-    for (int r = 0; r < world_; ++r) {
-      same &= detail::from_bytes(store_->get(cat(k, "bytes/", r))) ==
-              std::to_string(bytes);
+    if (!detail::all_ranks_say(store_, k + "bytes/", rank_, world_,
+                               std::to_string(bytes)) ||
+        numel <= 0) {
+      return {};
     }
-    if (!same || numel <= 0) return {};
     auto seg = ShmSegment::create(store_, k, rank_, world_,
                                   bytes * static_cast<std::size_t>(world_));
     if (!seg) return {};
@@ -493,6 +490,22 @@ class ShmChannel {
     return {len * q / world_, len * (q + 1) / world_};
   }
 
+  // Sums this rank's slice [lo, hi) of `len` elements over every rank into
+  // this rank's copy (at(q, i): where rank q holds element i), in rank
+  // order, then scales it: each element summed by one rank only.
+  template <class At>
+  void sum_my_slice(At at, int64_t len, const torch::TensorOptions& opts,
+                    double scale) {
+    auto [lo, hi] = slice(len, rank_);
+    if (hi <= lo) return;
+    auto acc = torch::from_blob(at(rank_, lo), {hi - lo}, opts);
+    for (int q = 0; q < world_; ++q) {
+      if (q == rank_) continue;
+      acc.add_(torch::from_blob(at(q, lo), {hi - lo}, opts));
+    }
+    if (scale != 1.0) acc.mul_(scale);
+  }
+
   // Through the slots, in chunks: copy in, reduce my slice of every rank's
   // chunk, copy every reduced slice out.
   void reduce(torch::Tensor& t, double scale) {
@@ -518,15 +531,8 @@ class ShmChannel {
         barrier();
       }
       // 2. reduce my slice of every rank's chunk, in my slot
-      auto [lo, hi] = slice(len, rank_);
-      if (hi > lo) {
-        auto acc = torch::from_blob(slot(b, rank_) + lo * es, {hi - lo}, opts);
-        for (int q = 0; q < world_; ++q) {
-          if (q == rank_) continue;
-          acc.add_(torch::from_blob(slot(b, q) + lo * es, {hi - lo}, opts));
-        }
-        if (scale != 1.0) acc.mul_(scale);
-      }
+      sum_my_slice([&](int q, int64_t i) { return slot(b, q) + i * es; }, len,
+                   opts, scale);
       barrier();
       // 3. every rank's reduced slice out
       for (int q = 0; q < world_; ++q) {
@@ -553,15 +559,7 @@ class ShmChannel {
     auto at = [&](int q, int64_t element) {
       return op.arena->region(q) + op.offset + element * es;
     };
-    auto [lo, hi] = slice(n, rank_);
-    if (hi > lo) {
-      auto acc = torch::from_blob(at(rank_, lo), {hi - lo}, opts);
-      for (int q = 0; q < world_; ++q) {
-        if (q == rank_) continue;
-        acc.add_(torch::from_blob(at(q, lo), {hi - lo}, opts));
-      }
-      if (op.scale != 1.0) acc.mul_(op.scale);
-    }
+    sum_my_slice(at, n, opts, op.scale);
     barrier();
     for (int q = 0; q < world_; ++q) {
       if (q == rank_) continue;
