@@ -80,6 +80,12 @@ inline void write_file_bytes(const std::filesystem::path& p,
   std::ofstream(p, std::ios::binary | std::ios::trunc)
       .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
+inline void write_file_bytes(const std::filesystem::path& p,
+                             const std::vector<unsigned char>& bytes) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(bytes.data()),
+             static_cast<std::streamsize>(bytes.size()));
+}
 
 /// Where libtorch's pickler wrote the string `s` (BINUNICODE: 'X', a 4-byte
 /// little-endian length, the bytes) in a torch.save / OutputArchive file.

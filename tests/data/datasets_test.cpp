@@ -24,6 +24,23 @@ std::size_t sof0_offset(const std::vector<unsigned char>& jpg) {
   return sof + 9 < jpg.size() ? sof : jpg.size();
 }
 
+/// A random 16x16 JPEG written to dir/small.jpg, with its bytes and the
+/// offset of its SOF0 marker, for tests that patch the header.
+struct SmallJpeg {
+  torch::Tensor image;
+  std::vector<unsigned char> bytes;
+  std::size_t sof;
+};
+SmallJpeg small_jpeg(const std::filesystem::path& dir) {
+  SmallJpeg j;
+  j.image = torch::randint(0, 256, {3, 16, 16}, torch::kUInt8);
+  write_jpeg(dir / "small.jpg", j.image);
+  j.bytes = read_file_bytes(dir / "small.jpg");
+  j.sof = sof0_offset(j.bytes);
+  REQUIRE(j.sof + 9 < j.bytes.size());
+  return j;
+}
+
 std::string usage_error_of(const std::function<void()>& f) {
   try {
     f();
@@ -149,17 +166,11 @@ TEST_SUITE("data") {
     // Found by fuzzing (tests/fuzz/regressions/image/zero-width-header):
     // jpeg_size returned a 0-pixel-wide size instead of refusing the file.
     ddpkit::test::TempDir tmp;
-    auto img = torch::randint(0, 256, {3, 16, 16}, torch::kUInt8);
-    write_jpeg(tmp / "small.jpg", img);
-    auto jpg = read_file_bytes(tmp / "small.jpg");
-    const std::size_t sof = sof0_offset(jpg);
-    REQUIRE(sof + 9 < jpg.size());
+    auto [img, jpg, sof] = small_jpeg(tmp.path());
     jpg[sof + 7] = 0, jpg[sof + 8] = 0;  // width 0
     auto msg = usage_error_of([&] { jpeg_size(jpg, "zero.jpg"); });
     CHECK(contains(msg, "zero.jpg"));
-    std::ofstream(tmp / "zero.jpg", std::ios::binary)
-        .write(reinterpret_cast<const char*>(jpg.data()),
-               static_cast<std::streamsize>(jpg.size()));
+    ddpkit::test::write_file_bytes(tmp / "zero.jpg", jpg);
     CHECK(contains(usage_error_of([&] { decode_image(tmp / "zero.jpg"); }),
                    "zero.jpg"));
     CHECK_FALSE(image_header_ok(tmp / "zero.jpg"));
@@ -176,18 +187,12 @@ TEST_SUITE("data") {
     // Found by fuzzing (tests/fuzz): decoding allocated width * height * 3
     // bytes from the header (10.8 GB here) before reading any pixel.
     ddpkit::test::TempDir tmp;
-    auto img = torch::randint(0, 256, {3, 16, 16}, torch::kUInt8);
-    write_jpeg(tmp / "small.jpg", img);
-    auto jpg = read_file_bytes(tmp / "small.jpg");
-    const std::size_t sof = sof0_offset(jpg);
-    REQUIRE(sof + 9 < jpg.size());
+    auto [img, jpg, sof] = small_jpeg(tmp.path());
     for (int k : {5, 7}) {  // height, width (big-endian)
       jpg[sof + k] = 60000 >> 8;
       jpg[sof + k + 1] = 60000 & 0xFF;
     }
-    std::ofstream(tmp / "bomb.jpg", std::ios::binary)
-        .write(reinterpret_cast<const char*>(jpg.data()),
-               static_cast<std::streamsize>(jpg.size()));
+    ddpkit::test::write_file_bytes(tmp / "bomb.jpg", jpg);
     auto msg = usage_error_of([&] { decode_image(tmp / "bomb.jpg"); });
     CHECK(contains(msg, "bomb.jpg"));
     CHECK(contains(msg, "60000x60000"));
@@ -226,9 +231,7 @@ TEST_SUITE("data") {
     }
     crc ^= 0xFFFFFFFFu;
     for (int k = 0; k < 4; ++k) png[29 + k] = (crc >> (24 - 8 * k)) & 0xFF;
-    std::ofstream(tmp / "bomb.png", std::ios::binary)
-        .write(reinterpret_cast<const char*>(png.data()),
-               static_cast<std::streamsize>(png.size()));
+    ddpkit::test::write_file_bytes(tmp / "bomb.png", png);
     msg = usage_error_of([&] { decode_image(tmp / "bomb.png"); });
     CHECK(contains(msg, "bomb.png"));
     CHECK(contains(msg, "limit"));
