@@ -8,6 +8,7 @@ include(CMakeFindDependencyMacro)
 # PyTorch wheel: -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')).
 find_dependency(Torch)
 find_dependency(range-v3)
+include("${CMAKE_CURRENT_LIST_DIR}/ddpkitCuda.cmake")
 find_package(PkgConfig QUIET)
 if(PkgConfig_FOUND)
   pkg_check_modules(DDPKIT_TURBOJPEG QUIET IMPORTED_TARGET libturbojpeg)
@@ -28,8 +29,13 @@ function(ddpkit_link_dependencies target)
   if(DDPKIT_GLOO_INCLUDE)
     list(APPEND defs USE_C10D_GLOO DDPKIT_HAS_GLOO=1)
   endif()
-  if(TORCH_CUDA_LIBRARIES OR CUDA_FOUND)
-    list(APPEND defs USE_C10D_NCCL DDPKIT_HAS_CUDA=1)
+  if(DDPKIT_TORCH_HAS_CUDA)
+    list(APPEND defs DDPKIT_HAS_CUDA=1)
+    if(DDPKIT_NCCL_INCLUDE_DIR)
+      # c10d's ProcessGroupNCCL.hpp is guarded by USE_C10D_NCCL.
+      list(APPEND defs USE_C10D_NCCL DDPKIT_HAS_NCCL=1)
+      list(APPEND incs ${DDPKIT_NCCL_INCLUDE_DIR})
+    endif()
   endif()
   if(TARGET PkgConfig::DDPKIT_TURBOJPEG)
     list(APPEND libs PkgConfig::DDPKIT_TURBOJPEG)
@@ -48,6 +54,16 @@ function(ddpkit_link_dependencies target)
     list(TRANSFORM defs APPEND ">")
   endif()
   target_link_libraries(${target} INTERFACE ${libs})
+  # The PyTorch wheels' libtorch.so exports pieces of the newer libstdc++ it
+  # was built with (std::filesystem, std::chrono::tzdb, stringbuf members).
+  # Listed before libstdc++ in the executable's dynamic dependencies, they
+  # would replace the system's for the whole program: std::filesystem::
+  # remove_all called through them jumps to a null pointer (seen with
+  # torch 2.11 and GCC 12). libstdc++ goes first.
+  if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang" AND NOT APPLE)
+    target_link_options(${target} INTERFACE
+      "LINKER:--push-state,--no-as-needed" "-lstdc++" "LINKER:--pop-state")
+  endif()
   target_include_directories(${target} SYSTEM INTERFACE ${incs})
   target_compile_definitions(${target} INTERFACE ${defs})
 endfunction()

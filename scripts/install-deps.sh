@@ -1,24 +1,56 @@
 #!/usr/bin/env bash
-# Installs ddpkit's build and test dependencies from Debian's archive.
-# Does nothing (and needs no network) when everything is already present.
+# Installs ddpkit's build and test dependencies:
+#   - Debian packages (compilers, Debian's libtorch-dev 1.13 and gloo, the
+#     header libraries, image codecs, the fuzzers' clang);
+#   - PyTorch 2.11 (the CUDA 13.0 build, with its NVIDIA runtime packages)
+#     and the matching torchvision from PyPI, in a Python virtual
+#     environment (default .venv in the repository, ignored by git): the
+#     libtorch ddpkit builds against by default, and the Python the
+#     interoperability and torchrun tests run.
+# Does nothing, and needs no network, when everything is already there.
+#
+#   DDPKIT_VENV=DIR        the environment's folder (default .venv)
+#   DDPKIT_TORCH_VERSION   torch version for it (default 2.11.0; torchvision
+#                          DDPKIT_TORCHVISION_VERSION, default 0.26.0)
+#   DDPKIT_WITH_VENV=0     Debian packages only
 set -euo pipefail
+cd "$(dirname "$0")/.."
+
 pkgs=(cmake ninja-build g++ pkg-config libtorch-dev libgloo-dev librange-v3-dev
-      doctest-dev libbenchmark-dev libturbojpeg0-dev libpng-dev libcli11-dev
+      doctest-dev libbenchmark-dev libturbojpeg0-dev libjpeg62-turbo-dev
+      libpng-dev libcli11-dev python3-venv
       # libFuzzer targets (scripts/fuzz.sh): clang and its sanitizer runtimes.
       clang-14 libclang-rt-14-dev)
-# Optional extras used by interop tests and benchmarks against PyTorch itself.
-if [[ "${DDPKIT_WITH_PYTHON:-1}" == 1 ]]; then
-  pkgs+=(python3-torch python3-torchvision)
-fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if ((${#missing[@]} == 0)); then
+if ((${#missing[@]} > 0)); then
+  echo "ddpkit: installing missing Debian packages: ${missing[*]}" >&2
+  SUDO=""
+  if [[ $(id -u) != 0 ]]; then SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+[[ "${DDPKIT_WITH_VENV:-1}" == 1 ]] || exit 0
+venv=${DDPKIT_VENV:-.venv}
+torch_v=${DDPKIT_TORCH_VERSION:-2.11.0}
+vision_v=${DDPKIT_TORCHVISION_VERSION:-0.26.0}
+# Already there: torch and torchvision of these versions are installed.
+if [[ -x "$venv/bin/python3" ]] &&
+   "$venv/bin/python3" - "$torch_v" "$vision_v" 2>/dev/null <<'PY'
+import sys
+from importlib.metadata import version
+ok = (version("torch").split("+")[0] == sys.argv[1]
+      and version("torchvision").split("+")[0] == sys.argv[2])
+sys.exit(0 if ok else 1)
+PY
+then
   exit 0
 fi
-echo "ddpkit: installing missing Debian packages: ${missing[*]}" >&2
-SUDO=""
-if [[ $(id -u) != 0 ]]; then SUDO=sudo; fi
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "ddpkit: installing torch==$torch_v and torchvision==$vision_v from PyPI into $venv (about 3 GB)" >&2
+[[ -x "$venv/bin/python3" ]] || python3 -m venv "$venv"
+"$venv/bin/python3" -m pip install --quiet --disable-pip-version-check \
+  "torch==$torch_v" "torchvision==$vision_v"
+"$venv/bin/python3" -c "import torch; print('ddpkit: PyTorch', torch.__version__, 'in $venv')" >&2

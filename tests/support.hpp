@@ -41,6 +41,30 @@ struct RegisterWorker {
       #name, &name##_worker_fn);                                    \
   static int name##_worker_fn()
 
+/// True when running under CI (`CI=true`): a prerequisite the project's
+/// install script provides must then be there, so a check that would skip
+/// fails instead.
+inline bool in_ci() {
+  const char* ci = std::getenv("CI");
+  return ci && std::string(ci) == "true";
+}
+
+/// The Python with torch 2.x and torchvision that scripts/install-deps.sh
+/// puts in the project's virtual environment (DDPKIT_TEST_PYTHON, set by
+/// CMake; the environment variable DDPKIT_PYTHON overrides it), or "" when
+/// it cannot import them.
+inline std::string python_with_torch() {
+  std::string py;
+  if (const char* env = std::getenv("DDPKIT_PYTHON")) py = env;
+#ifdef DDPKIT_TEST_PYTHON
+  if (py.empty()) py = DDPKIT_TEST_PYTHON;
+#endif
+  if (py.empty()) return "";
+  const std::string cmd =
+      py + " -c 'import torch, torchvision' >/dev/null 2>&1";
+  return std::system(cmd.c_str()) == 0 ? py : "";
+}
+
 /// A fresh folder under the system temp dir, removed by the destructor.
 class TempDir {
  public:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # run_torchrun.sh BINARY OUT_DIR [args...]: runs a -ddp example under
 # PyTorch's own launcher (torchrun = python3 -m torch.distributed.run, from
-# Debian's python3-torch) with 2 processes and checks it left one set of
+# the project's environment) with 2 processes and checks it left one set of
 # outputs, trained 1 epoch and printed each epoch line once. Exits 77 (skip)
 # when no Python with torch is installed.
 set -euo pipefail

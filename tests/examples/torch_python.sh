@@ -1,11 +1,20 @@
-# Sourced by the torchrun tests: sets $py to a Python with torch.distributed
-# (Debian's python3-torch is in /usr/bin/python3, not in a pyenv on PATH), or
-# exits 77, which CTest reports as skipped.
+# Sourced by the torchrun tests: sets $py to the Python with torch.distributed
+# that scripts/install-deps.sh puts in the project's environment
+# ($DDPKIT_PYTHON, set by CTest; else .venv/bin/python3). Without it the test
+# exits 77, which CTest reports as skipped -- except in CI (CI=true), where
+# the install script must have made it, so the test fails.
 py=""
-for p in /usr/bin/python3 python3; do
-  if "$p" -c "import torch.distributed.run" 2>/dev/null; then py=$p; break; fi
+for p in "${DDPKIT_PYTHON:-}" "$(dirname "${BASH_SOURCE[0]}")/../../.venv/bin/python3"; do
+  if [[ -n $p ]] && "$p" -c "import torch.distributed.run" 2>/dev/null; then py=$p; break; fi
 done
-[[ -n $py ]] || { echo "no python3 with torch: skipped"; exit 77; }
+if [[ -z $py ]]; then
+  if [[ ${CI:-} == true ]]; then
+    echo "FAILED: no Python with torch (run scripts/install-deps.sh); CI=true, so this is not skipped"
+    exit 1
+  fi
+  echo "SKIPPED: no Python with torch (run scripts/install-deps.sh)"
+  exit 77
+fi
 
 # torchrun's --standalone rendezvous always listens on localhost:29400, so
 # two standalone jobs at once (e.g. under `ctest -j`) collide. `new_rdzv`

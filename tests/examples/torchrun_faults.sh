@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # torchrun_faults.sh BINARY OUT_DIR kill|restart [args...]: faults under
-# PyTorch's own launcher (torchrun, from Debian's python3-torch), 2 ranks.
+# PyTorch's own launcher (torchrun, from the project's environment), 2 ranks.
 #
 #   kill     SIGKILL rank 1 mid-epoch: torchrun and rank 0 must exit non-zero
 #            within 10 s, torchrun's report must name rank 1 and signal 9,

@@ -30,6 +30,7 @@
 #include "ddpkit/data/cifar10.hpp"
 #include "ddpkit/data/image_io.hpp"
 #include "ddpkit/data/transforms.hpp"
+#include "ddpkit/dist/compat_core.hpp"
 #include "ddpkit/dist/env.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/checkpoint.hpp"
@@ -657,13 +658,9 @@ int run_checkpoint(const std::uint8_t* data, std::size_t size) {
   // What Trainer's resume reads: the model, the optimizer, the scalars.
   // open_checkpoint and load_module_checked promise errors that name the
   // file (UsageError), so a c10::Error from them is a finding too.
-  std::unique_ptr<torch::serialize::InputArchive> archive;
+  std::optional<train::Checkpoint> archive;
   expect(
-      "open_checkpoint",
-      [&] {
-        archive = std::make_unique<torch::serialize::InputArchive>(
-            train::open_checkpoint(path));
-      },
+      "open_checkpoint", [&] { archive.emplace(train::open_checkpoint(path)); },
       /*torch_errors_ok=*/false);
   if (archive) {
     for (const auto& key : archive->keys()) {
@@ -736,19 +733,19 @@ int seeds_checkpoint(const std::string& dir) {
   auto scalar = [](double v) { return torch::tensor({v}, torch::kFloat64); };
   auto save = [&](const std::string& name,
                   const c10::Dict<std::string, torch::Tensor>& sd, bool full) {
-    torch::serialize::OutputArchive archive;
+    train::Checkpoint archive;
     archive.write("model", c10::IValue(sd));
     if (full) {  // what Trainer::save_checkpoint writes
-      torch::serialize::OutputArchive opt;
-      sgd.save(opt);
-      archive.write("optimizer", opt);
-      archive.write("epochs_done", scalar(2));
-      archive.write("best_val_acc", scalar(0.5));
-      archive.write("best_epoch", scalar(1));
-      archive.write("bad_epochs", scalar(1));
-      archive.write("sampler_epoch", scalar(2));
-      archive.write("world_size", scalar(1));
-      archive.write("seed", scalar(0));
+      archive.write("format", std::string(train::kCheckpointFormat));
+      archive.write("format_version", train::kCheckpointVersion);
+      archive.write_optimizer(sgd);
+      archive.write("epochs_done", int64_t{2});
+      archive.write("best_val_acc", 0.5);
+      archive.write("best_epoch", int64_t{1});
+      archive.write("bad_epochs", int64_t{1});
+      archive.write("sampler_epoch", int64_t{2});
+      archive.write("world_size", int64_t{1});
+      archive.write("seed", int64_t{0});
       archive.write("loss_scale", scalar(1));
       archive.write("history", torch::rand({2, train::EpochMetrics::kFields},
                                            torch::kFloat64));
@@ -896,12 +893,8 @@ void initialize(const Target& t, int* argc, char*** argv) {
   torch::set_num_threads(1);
   // Torch's warnings (e.g. on odd archives) are not findings; keep the log
   // readable.
-  struct Quiet : c10::WarningHandler {
-    void process(const c10::SourceLocation&, const std::string&,
-                 const bool) override {}
-  };
-  static Quiet quiet;
-  c10::Warning::set_warning_handler(&quiet);
+  static ddpkit::compat::QuietWarnings quiet;
+  ddpkit::compat::set_warning_handler(&quiet);
   const std::string flag = "-ddpkit_write_seeds=";
   for (int i = 1; i < *argc; ++i) {
     const std::string arg = (*argv)[i];

@@ -41,6 +41,7 @@
 #include <caffe2/serialize/inline_container.h>
 
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/pickle_reader.hpp"
 
 namespace ddpkit::detail {
 
@@ -493,28 +494,21 @@ struct ZipEntry {
 /// deflates only its code entries, a few KB each).
 inline constexpr std::uint64_t kMaxDeflatedEntry = std::uint64_t{64} << 20;
 
-/// The entries of the zip archive at `path`, read through bounds-checked
-/// seeks; "" in `problem` when the archive is what torch.save and
-/// OutputArchive write (every entry inside the file, stored or deflated
-/// to a bounded size), else what is wrong.
-inline std::vector<ZipEntry> read_zip_entries(const std::filesystem::path& path,
+/// The entries of the zip archive held in `bytes`, read through
+/// bounds-checked copies; "" in `problem` when the archive is what
+/// torch.save and OutputArchive write (every entry inside the file, stored
+/// or deflated to a bounded size), else what is wrong.
+inline std::vector<ZipEntry> read_zip_entries(std::string_view bytes,
                                               std::string& problem) {
   problem.clear();
   std::vector<ZipEntry> entries;
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) {
-    problem = "cannot be opened";
-    return entries;
-  }
-  const auto file_size = static_cast<std::uint64_t>(in.tellg());
-  // Reads [at, at + n) of the file, or fails when that is not inside it.
+  const auto file_size = static_cast<std::uint64_t>(bytes.size());
+  // Copies [at, at + n) of the file, or fails when that is not inside it.
   auto read = [&](std::uint64_t at, std::uint64_t n, std::string& out) {
     if (at > file_size || n > file_size - at) return false;
-    out.resize(static_cast<std::size_t>(n));
-    in.clear();
-    in.seekg(static_cast<std::streamoff>(at));
-    return static_cast<bool>(
-        in.read(out.data(), static_cast<std::streamsize>(n)));
+    out.assign(bytes.substr(static_cast<std::size_t>(at),
+                            static_cast<std::size_t>(n)));
+    return true;
   };
   auto le = [](const std::string& b, std::size_t at, int bytes) {
     std::uint64_t v = 0;
@@ -623,17 +617,17 @@ inline std::vector<ZipEntry> read_zip_entries(const std::filesystem::path& path,
   return entries;
 }
 
-/// Checks the archive at `path` as described at the top of this file; a
-/// UsageError otherwise, "`what` cannot be read (damaged, or not written by
-/// `writers`): it ..." (`what` names the file).
-inline void check_archive(const std::filesystem::path& path,
-                          const std::string& what, const std::string& writers) {
+/// Checks the archive held in `bytes` as described at the top of this file;
+/// a UsageError otherwise, "`what` cannot be read (damaged, or not written
+/// by `writers`): it ..." (`what` names the file).
+inline void check_archive(std::string_view bytes, const std::string& what,
+                          const std::string& writers) {
   auto refuse = [&](const std::string& why) {
     return UsageError(cat(what, " cannot be read (damaged, or not written by ",
                           writers, "): it ", why));
   };
   std::string problem;
-  const auto entries = read_zip_entries(path, problem);
+  const auto entries = read_zip_entries(bytes, problem);
   if (!problem.empty()) throw refuse(problem);
   // Every size libtorch will allocate is now bounded: read the code and
   // pickle entries through its file reader (which inflates).
@@ -644,7 +638,8 @@ inline void check_archive(const std::filesystem::path& path,
         e.size;
   }
   try {
-    caffe2::serialize::PyTorchStreamReader reader(path.string());
+    caffe2::serialize::PyTorchStreamReader reader(
+        std::make_shared<MemoryReadAdapter>(bytes));
     for (const auto& e : entries) {
       const std::string_view n(e.name);
       auto ends_with = [&](std::string_view suffix) {
@@ -688,6 +683,12 @@ inline void check_archive(const std::filesystem::path& path,
     const std::string what = e.what_without_backtrace();
     throw refuse(what.substr(0, what.find('\n')));
   }
+}
+
+/// `check_archive` of the file at `path`.
+inline void check_archive(const std::filesystem::path& path,
+                          const std::string& what, const std::string& writers) {
+  check_archive(std::string_view(read_whole_file(path, what)), what, writers);
 }
 
 }  // namespace ddpkit::detail

@@ -4,12 +4,15 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 #include <torch/version.h>
+
+#include "ddpkit/dist/compat_core.hpp"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -20,13 +23,10 @@
 #if defined(USE_C10D_GLOO)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-#define DDPKIT_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||         \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace ddpkit::dist::compat {
 
@@ -49,7 +49,7 @@ inline constexpr bool has_gloo =
 #endif
 
 inline constexpr bool has_nccl =
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
     true;
 #else
     false;
@@ -62,7 +62,10 @@ inline StorePtr make_tcp_store(const std::string& host, int port,
   opts.port = static_cast<std::uint16_t>(port);
   opts.isServer = is_server;
   opts.numWorkers = static_cast<std::size_t>(world_size);
-  opts.waitWorkers = true;
+  // ddpkit counts the ranks in itself (Group::wait_for_all, with an error
+  // that says how many joined): libtorch 2.x's server throws when
+  // waitWorkers is set and a rank is missing, 1.13's returned.
+  opts.waitWorkers = false;
   opts.timeout = timeout;
   return c10::make_intrusive<c10d::TCPStore>(host, opts);
 }
@@ -98,9 +101,24 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size,
 }
 #endif
 
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
+/// `blocking_wait`: Work::wait() blocks and throws on a timeout or a failed
+/// communicator; otherwise NCCL's watchdog tears the process down
+/// (asynchronous error handling). Both are read by ProcessGroupNCCL from the
+/// environment when it is constructed (2.x names, and 1.13's without
+/// TORCH_); a value the user set there is kept.
 inline BackendPtr make_nccl(const StorePtr& store, int rank, int size,
-                            std::chrono::milliseconds timeout) {
+                            std::chrono::milliseconds timeout,
+                            bool blocking_wait) {
+  auto user_set = [](const char* a, const char* b) {
+    return std::getenv(a) != nullptr || std::getenv(b) != nullptr;
+  };
+  if (!user_set("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT") &&
+      !user_set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")) {
+    const char* var = blocking_wait ? "BLOCKING_WAIT" : "ASYNC_ERROR_HANDLING";
+    ::setenv((std::string("TORCH_NCCL_") + var).c_str(), "1", 0);
+    ::setenv((std::string("NCCL_") + var).c_str(), "1", 0);
+  }
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);

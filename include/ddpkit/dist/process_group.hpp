@@ -22,6 +22,21 @@ namespace ddpkit::dist {
 
 enum class BackendKind { automatic, gloo, nccl };
 
+/// How NCCL reports a collective that fails or does not complete within
+/// the collective timeout (a dead peer, a rank that never calls it).
+enum class NcclErrorHandling {
+  /// `wait()` blocks the calling thread until the collective finishes, and
+  /// throws (a DistError naming ddpkit's operation) when it times out or the
+  /// communicator failed: every rank stops with an error, none hangs.
+  /// PyTorch's TORCH_NCCL_BLOCKING_WAIT=1. The default.
+  blocking_wait,
+  /// PyTorch's default: `wait()` only orders the CUDA streams; NCCL's
+  /// watchdog thread aborts the communicator and ends the process when a
+  /// collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING=1). Fewer host
+  /// synchronisations; the error is the watchdog's log line.
+  async_teardown,
+};
+
 /// How to meet the other ranks and talk to them.
 struct GroupOptions {
   /// `env://` (MASTER_ADDR/PORT from the DistEnv), `tcp://host:port`, or
@@ -43,6 +58,11 @@ struct GroupOptions {
   /// faster; see dist/shm.hpp). The environment variable `DDPKIT_SHM=0`
   /// turns it off, `DDPKIT_SHM=1` on.
   TORCH_ARG(bool, shared_memory) = true;
+  /// What an NCCL collective that fails or never completes does (see
+  /// NcclErrorHandling). A value the user set in the environment
+  /// (TORCH_NCCL_BLOCKING_WAIT / TORCH_NCCL_ASYNC_ERROR_HANDLING) wins.
+  TORCH_ARG(NcclErrorHandling, nccl_error_handling) =
+      NcclErrorHandling::blocking_wait;
 };
 
 namespace detail {
@@ -116,6 +136,13 @@ class Group {
     wait_for_all(g.store_, env, method, rdv_timeout);
     g.backend_ = make_backend(g.store_, env, opts, coll_timeout);
     g.timeout_ = coll_timeout;
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
+    if (dynamic_cast<c10d::ProcessGroupNCCL*>(g.backend_.get()) != nullptr) {
+      g.device_ = torch::Device(torch::kCUDA, env.local_rank);
+    }
+#endif
+    // The shared-memory channel carries CPU tensors only: an NCCL group
+    // (CUDA tensors) never sets it up.
     bool shm = opts.shared_memory();
     if (const char* v = std::getenv("DDPKIT_SHM")) {
       std::string s = v;
@@ -138,11 +165,6 @@ class Group {
             what.substr(0, what.find('\n'))));
       }
     }
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
-    if (dynamic_cast<c10d::ProcessGroupNCCL*>(g.backend_.get()) != nullptr) {
-      g.device_ = torch::Device(torch::kCUDA, env.local_rank);
-    }
-#endif
     return g;
   }
 
@@ -306,8 +328,10 @@ class Group {
     auto prefixed = compat::make_prefix_store("ddpkit/default_pg", store);
     try {
       if (kind == BackendKind::nccl) {
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA)
-        return compat::make_nccl(prefixed, env.rank, env.world_size, timeout);
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
+        return compat::make_nccl(
+            prefixed, env.rank, env.world_size, timeout,
+            opts.nccl_error_handling() == NcclErrorHandling::blocking_wait);
 #else
         throw UsageError(
             "backend nccl requested, but this build of ddpkit "

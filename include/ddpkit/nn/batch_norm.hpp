@@ -1,12 +1,15 @@
 // ddpkit's BatchNorm2d: state-dict compatible with torch::nn::BatchNorm2d,
 // and able to synchronise its training statistics across ranks once a
-// process group is attached (SyncBatchNorm). Statistics and their gradient
-// terms are computed here, so it works on CPU (gloo) as well as CUDA.
+// process group is attached (SyncBatchNorm). On the CPU (gloo), where
+// libtorch has no SyncBatchNorm kernels, the statistics and their gradient
+// terms are computed here in float64; on CUDA, ATen's own SyncBatchNorm
+// kernels do it (float32 statistics, as PyTorch's SyncBatchNorm).
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <torch/torch.h>
@@ -45,6 +48,12 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     const auto dims = reduce_dims(x);
     const int64_t C = x.size(1);
     const double local_n = static_cast<double>(x.numel() / C);
+    ctx->saved_data["group"] = group_handle;
+    ctx->saved_data["has_bias"] = bias.defined();
+    if (x.is_cuda()) {
+      return cuda_forward(ctx, x, weight, bias, running_mean, running_var, eps,
+                          momentum, g, local_n);
+    }
     auto xd = x.to(torch::kFloat64);
     auto local_mean =
         local_n > 0 ? xd.mean(dims) : torch::zeros({C}, xd.options());
@@ -84,21 +93,88 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     if (weight.defined()) y = y * per_channel(weight, x.dim());
     if (bias.defined()) y = y + per_channel(bias, x.dim());
     ctx->save_for_backward({x, weight, mean, invstd});
-    ctx->saved_data["group"] = group_handle;
     ctx->saved_data["total"] = total;
-    ctx->saved_data["has_bias"] = bias.defined();
     return y;
+  }
+
+  // CUDA: ATen's own SyncBatchNorm kernels (what PyTorch's SyncBatchNorm
+  // runs), statistics in float32 (float64 is the CPU path's choice, where
+  // those kernels do not exist): per-rank mean and invstd, gathered with the
+  // counts, merged on the device.
+  static torch::Tensor cuda_forward(torch::autograd::AutogradContext* ctx,
+                                    const torch::Tensor& x,
+                                    const torch::Tensor& weight,
+                                    const torch::Tensor& bias,
+                                    const torch::Tensor& running_mean,
+                                    const torch::Tensor& running_var,
+                                    double eps, double momentum,
+                                    const dist::Group& g, double local_n) {
+    const int64_t C = x.size(1);
+    torch::Tensor mean_l, invstd_l;
+    if (local_n > 0) {
+      std::tie(mean_l, invstd_l) = at::batch_norm_stats(x, eps);
+    } else {
+      mean_l = torch::zeros({C}, x.options().dtype(torch::kFloat32));
+      invstd_l = torch::zeros_like(mean_l);
+    }
+    auto packed =
+        torch::cat({mean_l, invstd_l, torch::full({1}, local_n, mean_l.options())})
+            .to(g.device());
+    auto all = torch::stack(dist::all_gather(g, packed)).to(x.device());
+    auto mean_all = all.narrow(1, 0, C);
+    auto invstd_all = all.narrow(1, C, C);
+    auto count_all = all.select(1, 2 * C).contiguous();
+    if (count_all.sum().item<double>() <= 1) {
+      throw Error(
+          "SyncBatchNorm: expected more than one value per channel "
+          "across all ranks in training mode");
+    }
+    auto [mean, invstd] = at::batch_norm_gather_stats_with_counts(
+        x, mean_all, invstd_all, running_mean, running_var, momentum, eps,
+        count_all);
+    auto y = at::batch_norm_elemt(x, weight, bias, mean, invstd, eps);
+    ctx->save_for_backward(
+        {x, weight, mean, invstd, count_all.to(torch::kInt32)});
+    return y;
+  }
+
+  static torch::autograd::variable_list cuda_backward(
+      const torch::autograd::variable_list& saved, const torch::Tensor& dy_in,
+      const dist::Group& g, bool has_bias) {
+    const auto &x = saved[0], &weight = saved[1], &mean = saved[2],
+               &invstd = saved[3], &count = saved[4];
+    const int64_t C = x.size(1);
+    auto dy = dy_in.contiguous();
+    auto [sum_dy, sum_dy_xmu, grad_weight, grad_bias] =
+        at::batch_norm_backward_reduce(dy, x, mean, invstd, weight,
+                                       /*input_g=*/true, weight.defined(),
+                                       has_bias);
+    auto both = torch::cat({sum_dy, sum_dy_xmu}).to(g.device());
+    dist::all_reduce(g, both);
+    both = both.to(x.device());
+    auto dx = at::batch_norm_backward_elemt(dy, x, mean, invstd, weight,
+                                            both.narrow(0, 0, C),
+                                            both.narrow(0, C, C), count);
+    return {dx,
+            weight.defined() ? grad_weight : torch::Tensor(),
+            has_bias ? grad_bias : torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
   }
 
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    auto x = saved[0], weight = saved[1], mean = saved[2], invstd = saved[3];
     const auto& g =
         *reinterpret_cast<const dist::Group*>(ctx->saved_data["group"].toInt());
-    const double total = ctx->saved_data["total"].toDouble();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    if (saved[0].is_cuda()) return cuda_backward(saved, grads[0], g, has_bias);
+    auto x = saved[0], weight = saved[1], mean = saved[2], invstd = saved[3];
+    const double total = ctx->saved_data["total"].toDouble();
     auto dy = grads[0].to(torch::kFloat64);
     const auto dims = reduce_dims(x);
     const int64_t C = x.size(1);

@@ -12,120 +12,89 @@
 #include <vector>
 
 #include <caffe2/serialize/inline_container.h>
-#include <torch/csrc/jit/serialization/import_read.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
 #include "ddpkit/detail/archive_check.hpp"
 #include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/loaded_tensors.hpp"
+#include "ddpkit/detail/pickle_reader.hpp"
+#include "ddpkit/dist/compat_core.hpp"
 
 namespace ddpkit::nn {
 
+namespace detail {
+inline void collect_state(const torch::nn::Module& m, const std::string& prefix,
+                          c10::Dict<std::string, torch::Tensor>& d) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false))
+    d.insert(prefix + p.key(), p.value().detach().cpu());
+  for (const auto& b : m.named_buffers(/*recurse=*/false))
+    d.insert(prefix + b.key(), b.value().detach().cpu());
+  for (const auto& c : m.named_children())
+    collect_state(*c.value(), prefix + c.key() + ".", d);
+}
+}  // namespace detail
+
 /// Every parameter and buffer of `module` under its dotted name, on the CPU
-/// and detached — the keys of torchvision's `state_dict()`.
+/// and detached, in PyTorch's `state_dict()` order (each module's own
+/// parameters, then its buffers, then its children's): the keys, and their
+/// order, of torchvision's `state_dict()`.
 inline c10::Dict<std::string, torch::Tensor> state_dict(
     const torch::nn::Module& module) {
   c10::Dict<std::string, torch::Tensor> d;
-  for (const auto& p : module.named_parameters(/*recurse=*/true))
-    d.insert(p.key(), p.value().detach().cpu());
-  for (const auto& b : module.named_buffers(/*recurse=*/true))
-    d.insert(b.key(), b.value().detach().cpu());
+  detail::collect_state(module, "", d);
   return d;
 }
 
 /// Writes `module`'s state dict to `path` in torch.save's zip format:
-/// Python's `torch.load(path)` returns a plain dict, which
-/// `model.load_state_dict` accepts.
+/// Python's `torch.load(path)` (default `weights_only=True`) returns a plain
+/// dict, which `model.load_state_dict` accepts.
 inline void save_state_dict(const torch::nn::Module& module,
                             const std::filesystem::path& path) {
-  const auto bytes = torch::pickle_save(c10::IValue(state_dict(module)));
   // Through path.tmp and a rename: an interrupted save keeps the old file.
   ddpkit::detail::write_atomically(
-      path, std::string_view(bytes.data(), bytes.size()));
+      path, ddpkit::compat::save_for_python(c10::IValue(state_dict(module))));
 }
 
-inline constexpr const char* kConvertStateDictHint =
-    "convert it in Python with: python3 -c \"import torch; "
-    "torch.save(dict(torch.load('in.pth')), 'out.pt')\"";
-
 /// Reads a state dict file written by `save_state_dict` or by Python's
-/// `torch.save(dict(sd), f)` (zip format, a plain dict of tensors).
+/// `torch.save(model.state_dict(), f)` (zip format; an OrderedDict or a plain
+/// dict of tensors, e.g. torchvision's resnet34 weights re-saved that way).
 inline c10::Dict<std::string, torch::Tensor> read_state_dict(
     const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw UsageError(
-        ddpkit::detail::cat("load_state_dict: cannot open ", path.string()));
-  }
+  const std::string what = "load_state_dict: " + path.string();
+  const std::string bytes = ddpkit::detail::read_whole_file(path, what);
   // torch.save's zip archives start with a local file header "PK\3\4";
   // anything else is the legacy (pre-1.6 or _use_new_zipfile_serialization
-  // =False) format, which libtorch cannot read.
-  char magic[4] = {};
-  in.read(magic, 4);
-  if (in.gcount() < 4 || magic[0] != 'P' || magic[1] != 'K') {
+  // =False) format, which ddpkit does not read.
+  if (bytes.size() < 4 || bytes[0] != 'P' || bytes[1] != 'K') {
     throw UsageError(ddpkit::detail::cat(
-        "load_state_dict: ", path.string(),
-        " is not in torch.save's zip format (a legacy .pth?); ",
-        kConvertStateDictHint));
+        what,
+        " is not in torch.save's zip format (a legacy .pth?); convert it in "
+        "Python with: python3 -c \"import torch; "
+        "torch.save(torch.load('in.pth'), 'out.pt')\""));
   }
-  in.close();
-  // libtorch trusts the zip's and the pickle's length fields (see
-  // archive_check.hpp): check them first.
-  ddpkit::detail::check_archive(
-      path, ddpkit::detail::cat("load_state_dict: ", path.string()),
-      "torch.save or ddpkit");
-  c10::IValue v;
-  try {
-    // What torch::pickle_load does, but reading the zip through the file
-    // (FileAdapter clamps every read to the file's size). pickle_load's
-    // in-memory reader copies whatever range the zip's offsets name: a
-    // damaged file made it read past the buffer (found by fuzzing).
-    caffe2::serialize::PyTorchStreamReader reader(path.string());
-    v = torch::jit::readArchiveAndTensors(
-        "data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
-        /*type_resolver=*/c10::nullopt, /*obj_loader=*/c10::nullopt,
-        /*device=*/c10::nullopt, reader);
-  } catch (const c10::Error& e) {
-    // libtorch 1.13's unpickler lacks some opcodes (e.g. SETITEM, which
-    // Python emits for a one-entry dict) and every class but a few.
-    throw UsageError(ddpkit::detail::cat(
-        "load_state_dict: cannot unpickle ", path.string(), " (",
-        e.what_without_backtrace(),
-        "); it must be a plain dict of several tensors; if it holds a model "
-        "or an OrderedDict, ",
-        kConvertStateDictHint));
-  } catch (const std::exception& e) {
-    // A damaged pickle also makes the unpickler throw standard exceptions
-    // (std::out_of_range from its memo or stack; found by fuzzing).
-    throw UsageError(ddpkit::detail::cat("load_state_dict: cannot unpickle ",
-                                         path.string(), " (", e.what(),
-                                         "): the file is damaged"));
-  }
-  // Python's OrderedDict (what `model.state_dict()` is) has no C++ unpickler
-  // class and comes back as None; only a plain dict of tensors is usable.
+  // The zip's length fields are checked before anything is allocated from
+  // them (see archive_check.hpp), the pickle by ddpkit's own reader.
+  ddpkit::detail::check_archive(std::string_view(bytes), what,
+                                "torch.save or ddpkit");
+  const c10::IValue v = ddpkit::detail::read_torch_save(bytes, what);
   if (!v.isGenericDict()) {
     throw UsageError(ddpkit::detail::cat(
-        "load_state_dict: ", path.string(), " holds a ", v.tagKind(),
-        ", not a plain dict of tensors (an OrderedDict from "
-        "`torch.save(model.state_dict())` reads as None); ",
-        kConvertStateDictHint));
+        what, " holds a ", v.tagKind(),
+        ", not a dict of tensors (save `model.state_dict()`)"));
   }
   c10::Dict<std::string, torch::Tensor> out;
   for (const auto& kv : v.toGenericDict()) {
     if (!kv.key().isString() || !kv.value().isTensor()) {
       throw UsageError(ddpkit::detail::cat(
-          "load_state_dict: ", path.string(),
-          " has an entry that is not str -> Tensor (key kind ",
+          what, " has an entry that is not str -> Tensor (key kind ",
           kv.key().tagKind(), ", value kind ", kv.value().tagKind(),
-          "); a full checkpoint? save only the model's state dict: ",
-          kConvertStateDictHint));
+          "); a full checkpoint? save only the model's state dict, or "
+          "load a ddpkit checkpoint's 'model'"));
     }
     ddpkit::detail::check_loaded_tensor(
         kv.value().toTensor(),
-        ddpkit::detail::cat("load_state_dict: ", path.string(), ": '",
-                            kv.key().toStringRef(), "'"));
+        ddpkit::detail::cat(what, ": '", kv.key().toStringRef(), "'"));
     out.insert(kv.key().toStringRef(), kv.value().toTensor());
   }
   return out;

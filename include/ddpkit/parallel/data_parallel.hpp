@@ -8,6 +8,7 @@
 
 #include <exception>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -107,8 +108,13 @@ struct DataParallel {
       refresh_replicas(used);
       std::vector<torch::Tensor> outs(used), losses(used);
       std::vector<std::exception_ptr> errors(used);
+      // Autocast is per thread: the replicas' threads take this thread's
+      // (PyTorch's parallel_apply does the same).
+      const auto autocast = ddpkit::compat::autocast_state();
       auto run = [&](std::size_t k) {
         try {
+          std::optional<ddpkit::compat::AutocastGuard> ac;
+          if (k > 0 && autocast.enabled) ac.emplace(autocast);
           auto dev = devices_[k];
           auto xk = xs[k].to(dev);
           auto yk = ys[k].to(dev);
@@ -136,6 +142,12 @@ struct DataParallel {
       auto loss = losses[0];
       for (std::size_t k = 1; k < used; ++k) loss = loss + losses[k];
       return {loss, torch::cat(outs)};
+    }
+
+    /// Before each step: gradients to None (the replicas' are cleared when
+    /// they are refreshed).
+    void zero_grad() {
+      clear_grads(as_module(model_));
     }
 
     /// DataParallel sums replica gradients every step; accumulation needs no

@@ -127,6 +127,18 @@ struct BasicDDP {
       return {loss.detach(), out.detach()};
     }
 
+    /// Before each step: zeroes the gradient buckets in place, so `.grad`
+    /// stays a view of its bucket (an optimizer's `zero_grad()` sets
+    /// gradients to None in libtorch 2.x, which would cost a copy of every
+    /// gradient in the next backward).
+    void zero_grad() {
+      if (reducer_) {
+        reducer_->zero_grad();
+      } else {
+        clear_grads(as_module(model_));
+      }
+    }
+
     /// Gradient accumulation: backward inside this scope does not
     /// communicate; the next synced backward averages the accumulated sum.
     class NoSync {

@@ -20,6 +20,15 @@ torch::nn::Module& as_module(Model& model) {
 
 /// Broadcasts `tensors` from `src`, coalesced into one flat buffer per dtype
 /// (one collective instead of hundreds).
+/// Clears the gradients of `m`'s parameters: set to None (PyTorch 2.x's
+/// `zero_grad()` default, the same on every libtorch version), so the next
+/// backward writes them fresh instead of adding to zeros.
+inline void clear_grads(torch::nn::Module& m) {
+  for (auto& p : m.parameters()) {
+    if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+  }
+}
+
 inline void broadcast_coalesced(const dist::Group& g,
                                 std::vector<torch::Tensor> tensors,
                                 int src = 0) {

@@ -444,7 +444,7 @@ class Reducer {
   std::vector<std::string> names_;
   std::shared_ptr<detail::AccumulatedHook::Callback> target_ =
       std::make_shared<detail::AccumulatedHook::Callback>();
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<ddpkit::compat::GradAccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> slot_bucket_;

@@ -28,7 +28,8 @@ struct SingleDeviceOptions {};
 /// `is_multi_process`, `is_multi_replica`, an `options_type`, and a nested
 /// `engine<Model>` with: a constructor `(Model, dist::Group, options_type,
 /// torch::Device)`, `module()`, `forward(x)`, `forward_backward(x, y,
-/// loss_fn)` returning `StepOutput`, `no_sync()` and `last_wait_seconds()`.
+/// loss_fn)` returning `StepOutput`, `zero_grad()`, `no_sync()` and
+/// `last_wait_seconds()`.
 struct SingleDevice {
   using parallel_concept = parallel_tag;
   static constexpr bool is_multi_process = false;
@@ -62,6 +63,11 @@ struct SingleDevice {
       auto loss = loss_fn(out, y);
       loss.backward();
       return {loss.detach(), out.detach()};
+    }
+
+    /// Before each step: gradients to None.
+    void zero_grad() {
+      clear_grads(as_module(model_));
     }
 
     /// Nothing to skip on one device.

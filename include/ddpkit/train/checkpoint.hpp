@@ -1,10 +1,18 @@
-// Checkpoints written atomically (temporary file, flush, fsync, rename), so
-// a crash mid-write never leaves a broken `last` or `best`, and loaded with
-// errors that name the file and the first mismatching key.
+// Checkpoints: one dict of named values in torch.save's zip format, written
+// atomically (temporary file, flush, fsync, rename), so a crash mid-write
+// never leaves a broken `last` or `best`, and loaded with errors that name
+// the file and the first mismatching key.
+//
+// Python reads them with a plain `torch.load(path)` (default
+// `weights_only=True`): `ckpt["model"]` is the model's state dict, which
+// `model.load_state_dict` accepts. The optimizer state is libtorch's own
+// serialization of it, kept as bytes (a uint8 tensor) under "optimizer".
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iomanip>
 #include <limits>
@@ -18,6 +26,8 @@
 #include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/loaded_tensors.hpp"
+#include "ddpkit/detail/pickle_reader.hpp"
+#include "ddpkit/dist/compat_core.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/metrics.hpp"
 
@@ -26,9 +36,74 @@ namespace ddpkit::train {
 /// Test hook: called between the temporary file's fsync and the rename.
 using ddpkit::detail::before_rename_hook;
 
-/// Writes `archive` to `path` atomically: `path.tmp` first, fsync, rename.
-/// Readers see the old file or the new one, never a partial one.
-inline void atomic_save(torch::serialize::OutputArchive& archive,
+/// The "format" entry of every checkpoint ddpkit writes, and its version.
+inline constexpr const char* kCheckpointFormat = "ddpkit.checkpoint";
+inline constexpr std::int64_t kCheckpointVersion = 2;
+
+/// A checkpoint's contents: named values (tensors, numbers, strings, and
+/// dicts or lists of them), in the order they were written.
+class Checkpoint {
+ public:
+  Checkpoint()
+      : dict_(c10::StringType::get(), c10::AnyType::get()) {}
+  explicit Checkpoint(c10::impl::GenericDict d) : dict_(std::move(d)) {}
+
+  void write(const std::string& key, c10::IValue value) {
+    dict_.insert_or_assign(key, std::move(value));
+  }
+  /// The optimizer's state, in libtorch's own format, under "optimizer".
+  void write_optimizer(const torch::optim::Optimizer& optimizer) {
+    torch::serialize::OutputArchive archive;
+    optimizer.save(archive);
+    std::string bytes;
+    archive.save_to([&](const void* data, std::size_t n) {
+      bytes.append(static_cast<const char*>(data), n);
+      return n;
+    });
+    auto t = torch::empty({static_cast<std::int64_t>(bytes.size())},
+                          torch::kUInt8);
+    if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+    write("optimizer", t);
+  }
+  bool try_read(const std::string& key, c10::IValue& out) const {
+    const auto it = dict_.find(key);
+    if (it == dict_.end()) return false;
+    out = it->value();
+    return true;
+  }
+  /// `value[key]`; a UsageError when it is missing.
+  void read(const std::string& key, c10::IValue& out) const {
+    if (!try_read(key, out)) {
+      throw UsageError(ddpkit::detail::cat("checkpoint has no '", key, "'"));
+    }
+  }
+  void read(const std::string& key, torch::Tensor& out) const {
+    c10::IValue v;
+    read(key, v);
+    if (!v.isTensor()) {
+      throw UsageError(
+          ddpkit::detail::cat("checkpoint's '", key, "' is not a tensor"));
+    }
+    out = v.toTensor();
+  }
+  std::vector<std::string> keys() const {
+    std::vector<std::string> k;
+    for (const auto& kv : dict_) {
+      if (kv.key().isString()) k.push_back(kv.key().toStringRef());
+    }
+    return k;
+  }
+  const c10::impl::GenericDict& dict() const {
+    return dict_;
+  }
+
+ private:
+  c10::impl::GenericDict dict_;
+};
+
+/// Writes `checkpoint` to `path` atomically: `path.tmp` first, fsync,
+/// rename. Readers see the old file or the new one, never a partial one.
+inline void atomic_save(const Checkpoint& checkpoint,
                         const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -38,68 +113,60 @@ inline void atomic_save(torch::serialize::OutputArchive& archive,
                                          path.parent_path().string(), ": ",
                                          ec.message()));
   }
-  auto tmp = path;
-  tmp += ".tmp";
+  std::string bytes;
   try {
-    archive.save_to(tmp.string());
+    bytes = ddpkit::compat::save_for_python(c10::IValue(checkpoint.dict()));
   } catch (const c10::Error& e) {
-    fs::remove(tmp, ec);
     throw UsageError(ddpkit::detail::cat("cannot write checkpoint ",
-                                         tmp.string(), ": ",
+                                         path.string(), ": ",
                                          e.what_without_backtrace()));
   }
-  ddpkit::detail::commit_file(tmp, path);
+  ddpkit::detail::write_atomically(path, bytes);
 }
 
-/// Reads a checkpoint archive, turning libtorch's errors into one that names
-/// the file. The archive is checked before libtorch reads it
-/// (`archive_check.hpp`), and every tensor in it after (`loaded_tensors.hpp`):
-/// a damaged file is a UsageError, not a crash or an out-of-bounds read.
-inline torch::serialize::InputArchive open_checkpoint(
-    const std::filesystem::path& path) {
+/// Reads a checkpoint, turning every problem into a UsageError that names
+/// the file. The zip is checked before anything is allocated from its
+/// length fields (`archive_check.hpp`), the pickle is read by ddpkit's own
+/// unpickler (`pickle_reader.hpp`), and every tensor in it is checked
+/// (`loaded_tensors.hpp`): a damaged file is an error, not a crash or an
+/// out-of-bounds read.
+inline Checkpoint open_checkpoint(const std::filesystem::path& path) {
   if (!std::filesystem::is_regular_file(path)) {
     throw UsageError(
         ddpkit::detail::cat("checkpoint ", path.string(), " does not exist"));
   }
-  torch::serialize::InputArchive archive;
-  auto unreadable = [&](std::string what) {
-    return UsageError(ddpkit::detail::cat(
-        "checkpoint ", path.string(),
-        " cannot be read (truncated or not a ddpkit checkpoint): ",
-        what.substr(0, what.find('\n'))));
-  };
-  try {
-    // libtorch trusts the archive's sizes and compiles its code entries,
-    // crashing or allocating gigabytes on some damaged ones: check first.
-    ddpkit::detail::check_archive(
-        path, ddpkit::detail::cat("checkpoint ", path.string()), "ddpkit");
-    archive.load_from(path.string());
-  } catch (const Error&) {
-    throw;
-  } catch (const c10::Error& e) {
-    throw unreadable(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    // A damaged archive also makes libtorch's unpickler and TorchScript
-    // importer throw standard exceptions (std::out_of_range from the
-    // pickle's memo, torch::jit::ErrorReport from its code/ entries).
-    throw unreadable(e.what());
+  const std::string what = "checkpoint " + path.string();
+  const std::string bytes = ddpkit::detail::read_whole_file(path, what);
+  ddpkit::detail::check_archive(std::string_view(bytes), what, "ddpkit");
+  const c10::IValue v = ddpkit::detail::read_torch_save(bytes, what);
+  if (!v.isGenericDict()) {
+    throw UsageError(ddpkit::detail::cat(what, " holds a ", v.tagKind(),
+                                         ", not a dict (not a ddpkit "
+                                         "checkpoint)"));
   }
-  for (const auto& key : archive.keys()) {
+  Checkpoint checkpoint(v.toGenericDict());
+  for (const auto& key : checkpoint.keys()) {
     c10::IValue value;
-    if (archive.try_read(key, value)) {
-      ddpkit::detail::check_loaded_tensors(
-          value,
-          ddpkit::detail::cat("checkpoint ", path.string(), ": '", key, "'"));
-    }
+    checkpoint.try_read(key, value);
+    ddpkit::detail::check_loaded_tensors(
+        value, ddpkit::detail::cat(what, ": '", key, "'"));
   }
-  return archive;
+  c10::IValue version;
+  if (checkpoint.try_read("format_version", version) && version.isInt() &&
+      version.toInt() > kCheckpointVersion) {
+    throw UsageError(ddpkit::detail::cat(
+        what, " has format version ", version.toInt(),
+        "; this ddpkit reads up to ", kCheckpointVersion, " (a newer ddpkit "
+        "wrote it)"));
+  }
+  return checkpoint;
 }
 
 /// Loads a module's state from `archive[key]` (a dict written from
 /// `nn::state_dict`), checking every parameter and buffer: a missing key or a
 /// shape mismatch is an error naming the file and the first such key.
 inline void load_module_checked(torch::nn::Module& module,
-                                torch::serialize::InputArchive& archive,
+                                const Checkpoint& archive,
                                 const std::string& key,
                                 const std::filesystem::path& file) {
   c10::IValue value;
@@ -145,26 +212,46 @@ inline void load_module_checked(torch::nn::Module& module,
   for (auto& b : module.named_buffers()) check(b.key(), b.value());
 }
 
-/// Loads `optimizer`'s state from `archive["optimizer"]`; a UsageError
-/// naming the file when it is missing or does not fit (libtorch throws
-/// c10::Error or, for a damaged archive, torch::jit::ObjectAttributeError).
+/// Loads `optimizer`'s state from `archive["optimizer"]` (libtorch's own
+/// serialization, as bytes); a UsageError naming the file when it is
+/// missing, damaged or does not fit (libtorch throws c10::Error or, for a
+/// damaged archive, torch::jit::ObjectAttributeError).
 inline void load_optimizer_checked(torch::optim::Optimizer& optimizer,
-                                   torch::serialize::InputArchive& archive,
+                                   const Checkpoint& archive,
                                    const std::filesystem::path& file) {
-  torch::serialize::InputArchive opt_archive;
-  if (!archive.try_read("optimizer", opt_archive)) {
+  c10::IValue v;
+  if (!archive.try_read("optimizer", v) || !v.isTensor() ||
+      v.toTensor().scalar_type() != torch::kUInt8 || v.toTensor().dim() != 1) {
     throw UsageError(ddpkit::detail::cat("checkpoint ", file.string(),
                                          " has no optimizer state"));
   }
-  auto does_not_fit = [&](const std::string& what) {
+  const auto blob = v.toTensor().contiguous();
+  const std::string_view bytes(static_cast<const char*>(blob.data_ptr()),
+                               static_cast<std::size_t>(blob.numel()));
+  const std::string what =
+      ddpkit::detail::cat("checkpoint ", file.string(), ": optimizer state");
+  // libtorch's archive reader trusts what it reads: check it first.
+  ddpkit::detail::check_archive(bytes, what, "ddpkit");
+  auto does_not_fit = [&](const std::string& why) {
     return UsageError(
         ddpkit::detail::cat("checkpoint ", file.string(),
                             ": optimizer state does not fit this "
                             "optimizer (another optimizer type or model?): ",
-                            what.substr(0, 200)));
+                            why.substr(0, 200)));
   };
   try {
+    torch::serialize::InputArchive opt_archive;
+    opt_archive.load_from(bytes.data(), bytes.size());
+    for (const auto& key : opt_archive.keys()) {
+      c10::IValue value;
+      if (opt_archive.try_read(key, value)) {
+        ddpkit::detail::check_loaded_tensors(
+            value, ddpkit::detail::cat(what, ": '", key, "'"));
+      }
+    }
     optimizer.load(opt_archive);
+  } catch (const Error&) {
+    throw;
   } catch (const c10::Error& e) {
     throw does_not_fit(e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -172,9 +259,10 @@ inline void load_optimizer_checked(torch::optim::Optimizer& optimizer,
   }
 }
 
-/// The number `archive[key]` (a one-element real or integer tensor); a
-/// UsageError naming the file and key when it is missing or not one number.
-inline double read_checkpoint_scalar(torch::serialize::InputArchive& archive,
+/// The number `archive[key]` (an int, a float, or a one-element real or
+/// integer tensor); a UsageError naming the file and key when it is missing
+/// or not one number.
+inline double read_checkpoint_scalar(const Checkpoint& archive,
                                      const std::string& key,
                                      const std::filesystem::path& file) {
   c10::IValue v;
@@ -182,6 +270,9 @@ inline double read_checkpoint_scalar(torch::serialize::InputArchive& archive,
     throw UsageError(ddpkit::detail::cat("checkpoint ", file.string(),
                                          " lacks '", key, "'"));
   }
+  if (v.isInt()) return static_cast<double>(v.toInt());
+  if (v.isDouble()) return v.toDouble();
+  if (v.isBool()) return v.toBool() ? 1.0 : 0.0;
   if (!v.isTensor() || v.toTensor().numel() != 1 ||
       !(v.toTensor().is_floating_point() ||
         c10::isIntegralType(v.toTensor().scalar_type(),
@@ -193,7 +284,7 @@ inline double read_checkpoint_scalar(torch::serialize::InputArchive& archive,
 }
 
 /// `read_checkpoint_scalar` for a whole number in [lo, hi].
-inline int read_checkpoint_int(torch::serialize::InputArchive& archive,
+inline int read_checkpoint_int(const Checkpoint& archive,
                                const std::string& key,
                                const std::filesystem::path& file, int lo,
                                int hi) {
@@ -220,7 +311,7 @@ struct ResumeState {
 
 /// Reads `ResumeState` from a checkpoint `Trainer` wrote; a UsageError
 /// naming the file and key for anything missing or malformed.
-inline ResumeState read_resume_state(torch::serialize::InputArchive& archive,
+inline ResumeState read_resume_state(const Checkpoint& archive,
                                      const std::filesystem::path& file) {
   constexpr int kMax = std::numeric_limits<int>::max();
   ResumeState r;

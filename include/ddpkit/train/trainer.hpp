@@ -20,6 +20,7 @@
 #include "ddpkit/parallel/data_parallel.hpp"
 #include "ddpkit/parallel/ddp.hpp"
 #include "ddpkit/parallel/single_device.hpp"
+#include "ddpkit/train/amp.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
@@ -212,8 +213,7 @@ class Trainer {
   engine_type engine_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   CrossEntropy loss_fn_;
-  double loss_scale_ = 65536.0;
-  int good_steps_ = 0;
+  LossScaler scaler_;
 };
 
 }  // namespace ddpkit::train

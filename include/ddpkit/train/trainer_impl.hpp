@@ -116,22 +116,22 @@ void DDPKIT_TRAINER::save_checkpoint(const std::filesystem::path& path,
                                      const std::vector<EpochMetrics>& history,
                                      double best, int best_epoch,
                                      int bad_epochs) {
-  torch::serialize::OutputArchive archive;
+  Checkpoint archive;
+  archive.write("format", std::string(kCheckpointFormat));
+  archive.write("format_version", kCheckpointVersion);
+  archive.write("torch_version", ddpkit::compat::torch_version());
   archive.write(
       "model",
       c10::IValue(nn::state_dict(parallel::as_module(engine_.module()))));
-  torch::serialize::OutputArchive opt_archive;
-  optimizer_->save(opt_archive);
-  archive.write("optimizer", opt_archive);
-  auto scalar = [](double v) { return torch::tensor({v}, torch::kFloat64); };
-  archive.write("epochs_done", scalar(epochs_done));
-  archive.write("best_val_acc", scalar(best));
-  archive.write("best_epoch", scalar(best_epoch));
-  archive.write("bad_epochs", scalar(bad_epochs));
-  archive.write("sampler_epoch", scalar(epochs_done));
-  archive.write("world_size", scalar(group_.size()));
-  archive.write("seed", scalar(static_cast<double>(options_.seed())));
-  archive.write("loss_scale", scalar(loss_scale_));
+  archive.write_optimizer(*optimizer_);
+  archive.write("epochs_done", static_cast<int64_t>(epochs_done));
+  archive.write("best_val_acc", best);
+  archive.write("best_epoch", static_cast<int64_t>(best_epoch));
+  archive.write("bad_epochs", static_cast<int64_t>(bad_epochs));
+  archive.write("sampler_epoch", static_cast<int64_t>(epochs_done));
+  archive.write("world_size", static_cast<int64_t>(group_.size()));
+  archive.write("seed", static_cast<int64_t>(options_.seed()));
+  archive.write("loss_scale", scaler_.scale());
   auto hist = torch::zeros(
       {static_cast<int64_t>(history.size()), EpochMetrics::kFields},
       torch::kFloat64);
@@ -174,7 +174,7 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
   best = state.best_val_acc;
   best_epoch = state.best_epoch;
   bad_epochs = state.bad_epochs;
-  loss_scale_ = state.loss_scale;
+  scaler_.set_scale(state.loss_scale);
   history = state.history;
   if (is_main() && options_.verbose()) {
     std::printf("resumed from %s after epoch %d (best val_acc %.4f)\n",
@@ -300,44 +300,24 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     while (auto batch = batches.next()) {
       torch::Tensor x = batch->data.to(device_, /*non_blocking=*/true);
       torch::Tensor y = batch->target.to(device_, /*non_blocking=*/true);
-      optimizer_->zero_grad();
+      engine_.zero_grad();
       const bool amp = options_.mixed_precision() && device_.is_cuda();
       parallel::StepOutput o;
       if (amp) {
-#ifdef DDPKIT_HAS_CUDA
-        at::autocast::set_enabled(true);
-#endif
-        const double scale = loss_scale_;
-        o = engine_.forward_backward(
-            x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
-              return loss_fn_(a.to(torch::kFloat32), b) * scale;
-            });
-#ifdef DDPKIT_HAS_CUDA
-        at::autocast::set_enabled(false);
-        at::autocast::clear_cache();
-#endif
+        const double scale = scaler_.scale();
+        {
+          ddpkit::compat::AutocastGuard autocast(true, torch::kHalf);
+          o = engine_.forward_backward(
+              x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
+                return loss_fn_(a.to(torch::kFloat32), b) * scale;
+              });
+        }
         o.loss = o.loss / scale;
-        // Unscale; skip the step everywhere if any rank overflowed.
-        int overflow = 0;
-        for (auto& p : module.parameters()) {
-          if (!p.grad().defined()) continue;
-          p.mutable_grad().div_(scale);
-          if (!torch::isfinite(p.grad()).all().template item<bool>())
-            overflow = 1;
-        }
-        if (Parallel::is_multi_process) {
-          overflow =
-              dist::all_reduce_value(group_, overflow, dist::Reduce::max);
-        }
-        if (overflow) {
-          loss_scale_ /= 2;
-          good_steps_ = 0;
-        } else {
+        // Unscale and check in one fused pass, one host sync; the step is
+        // skipped everywhere if any rank overflowed.
+        if (scaler_.unscale_and_check(module.parameters(), group_,
+                                      Parallel::is_multi_process)) {
           optimizer_->step();
-          if (++good_steps_ >= 2000) {
-            loss_scale_ *= 2;
-            good_steps_ = 0;
-          }
         }
       } else {
         o = engine_.forward_backward(x, y, loss_fn_);
@@ -403,9 +383,7 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         if (at != std::string::npos) rel.replace(at, 7, std::to_string(epoch));
         auto path = out / rel;
         fs::create_directories(path.parent_path());
-        auto bytes = torch::pickle_save(c10::IValue(nn::state_dict(module)));
-        ddpkit::detail::write_atomically(
-            path, std::string(bytes.begin(), bytes.end()));
+        nn::save_state_dict(module, path);
       }
       write_metrics_files(out, result.history);
     }
