@@ -235,6 +235,18 @@ class Group {
                              "or file:///path)"));
       }
       detail::check_resolvable(host);
+      // torchrun (2.x) hosts the store in its agent and says so with
+      // TORCHELASTIC_USE_AGENT_STORE: every rank is a client, and each
+      // restart of the workers gets keys of its own (what PyTorch's env://
+      // rendezvous does), or a restarted job would meet the previous
+      // attempt's rendezvous counters and gloo addresses.
+      if (init_method == "env://" && agent_store()) {
+        const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+        return compat::make_prefix_store(
+            cat("/worker/attempt_", attempt ? attempt : "0"),
+            compat::make_tcp_store(host, port, /*is_server=*/false,
+                                   env.world_size, timeout));
+      }
       return compat::make_tcp_store(host, port, env.rank == 0, env.world_size,
                                     timeout);
     } catch (const c10::Error& e) {
@@ -244,6 +256,12 @@ class Group {
     } catch (const std::exception& e) {
       rendezvous_failed(env, host, port, timeout, e.what());
     }
+  }
+
+  static bool agent_store() {
+    const char* v = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    return v && (std::string(v) == "True" || std::string(v) == "true" ||
+                 std::string(v) == "1");
   }
 
   [[noreturn]] static void rendezvous_failed(const DistEnv& env,
