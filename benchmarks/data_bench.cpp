@@ -3,8 +3,8 @@
 // + normalise at 224, images/s per worker thread). Compare the JPEG number
 // with torchvision side by side, on the same generated folder:
 //   DDPKIT_BENCH_JPEG_DIR=/tmp/jpeg ./ddpkit_data_bench --benchmark_filter=Eval
-//   /usr/bin/python3 scripts/bench_torchvision_loader.py /tmp/jpeg \
-//       --ours ./ddpkit_data_bench --repeats 3
+//   .venv/bin/python3 scripts/bench_torchvision_loader.py /tmp/jpeg
+//       --ours ./ddpkit_data_bench --repeats 3      (one command)
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>

@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
                         .seed(args.seed)
                         .verbose(!args.quiet)
                         .run_name("cifar10")
-                        .mixed_precision(true);  // takes effect on CUDA only
+                        .mixed_precision(args.amp);
         Trainer trainer(
             model,
             [](std::vector<torch::Tensor> params) {

@@ -161,6 +161,7 @@ int main(int argc, char** argv) {
                         .seed(args.seed)
                         .verbose(!args.quiet)
                         .weights_pattern("weights/model-{epoch}.pt")
+                        .mixed_precision(args.amp)
                         .run_name("flowers-resnet34");
         Trainer trainer(
             model,

@@ -29,6 +29,7 @@ struct CommonArgs {
   int threads = 1;             ///< intra-op threads per rank
   int workers = 2;             ///< loader threads
   bool quiet = false;
+  bool amp = false;  ///< --amp: mixed precision (CUDA only)
 };
 
 /// Adds the common flags to `app`, with `args`' current values as defaults.
@@ -68,6 +69,9 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_flag("--quiet", args.quiet, "no per-epoch output");
+  app.add_flag("--amp,!--no-amp", args.amp,
+               "mixed precision: float16 autocast and dynamic loss scaling "
+               "(CUDA only)");
 }
 
 /// Parses; on a bad value prints the reason and returns 2, on --help
@@ -97,6 +101,12 @@ std::optional<int> finish_args(CommonArgs& args, const std::string& example) {
                  "error: --world-size %d needs the ddp build (%s-ddp); this is "
                  "the %s build\n",
                  args.world_size, example.c_str(), Mode::name);
+    return 2;
+  }
+  if (args.amp && !torch::cuda::is_available()) {
+    std::fprintf(stderr,
+                 "error: --amp needs a CUDA device, and none is visible "
+                 "(torch::cuda::is_available() is false)\n");
     return 2;
   }
   if (args.out.empty()) args.out = "runs/" + example + "-" + Mode::name;

@@ -74,7 +74,7 @@ TEST_SUITE("data") {
           torch::tensor({0.4914f, 0.4822f, 0.4465f}).view({1, 3, 1, 1});
       auto x = set.images.to(torch::kFloat) / 255;
       // Per image, raw = clamp(b x): check on pixels far from saturation.
-      auto ratio = (raw / x.clamp_min(1e-3)).masked_fill(x<0.1 | raw> 0.99, -1);
+      auto ratio = (raw / x.clamp_min(1e-3)).masked_fill((x < 0.1) | (raw > 0.99), -1);
       for (int64_t i = 0; i < 4; ++i) {
         auto r = ratio[i].masked_select(ratio[i] > 0);
         CHECK((r.max() - r.min()).item<float>() < 0.02f);

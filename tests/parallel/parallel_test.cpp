@@ -21,6 +21,18 @@ std::string env_or(const char* name, const char* dflt) {
   return v ? v : dflt;
 }
 
+/// T_DEVICE=cuda runs a worker's model and data on cuda:0 (every rank on
+/// the one GPU of a test machine), over gloo, which reduces CUDA tensors.
+torch::Device worker_device() {
+  return env_or("T_DEVICE", "cpu") == "cuda" ? torch::Device(torch::kCUDA, 0)
+                                             : torch::Device(torch::kCPU);
+}
+dist::Group device_worker_group() {
+  auto opts = test::test_group_options();
+  if (worker_device().is_cuda()) opts.backend(dist::BackendKind::gloo);
+  return dist::Group::init(dist::read_env(), opts);
+}
+
 /// Single process, batch world·B, the same samples and steps. With
 /// `accumulate`, each step is one on the joined two micro-batches.
 test::SmallNet reference(int world, bool bn, int64_t per_rank = kPerRank) {
@@ -54,15 +66,16 @@ bool grads_are_bucket_views(Reducer& reducer, torch::nn::Module& net) {
 
 template <class Policy>
 int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
-  auto g = test::worker_group();
+  auto g = device_worker_group();
   const int r = g.rank(), w = g.size();
+  const auto device = worker_device();
   // Each rank starts from a different init: DDP must make them identical.
   auto net = test::make_net(100 + r, bn);
   if (bn) nn::SyncBN::apply(*net, g);
-  typename Policy::template engine<test::SmallNet> eng(net, g, opts,
-                                                       torch::kCPU);
+  typename Policy::template engine<test::SmallNet> eng(net, g, opts, device);
   // Check the broadcast: every rank now holds rank 0's (seed 100) weights.
   auto fresh = test::make_net(100, bn);
+  fresh->to(device);
   if (test::max_state_diff(*net, *fresh) != 0) {
     std::fprintf(stderr, "rank %d: not identical after construction\n", r);
     return 10;
@@ -82,8 +95,8 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
   auto opt = test::make_sgd(*net);
   for (int s = 0; s < kSteps; ++s) {
     auto [x, y] = test::global_batch(s, w * kPerRank);
-    auto xr = x.narrow(0, r * kPerRank, kPerRank);
-    auto yr = y.narrow(0, r * kPerRank, kPerRank);
+    auto xr = x.narrow(0, r * kPerRank, kPerRank).to(device);
+    auto yr = y.narrow(0, r * kPerRank, kPerRank).to(device);
     // How gradients are zeroed must not matter: in place by the optimizer
     // (libtorch 1.13's default), set to None (2.x's default), or by the
     // reducer (one fill per bucket).
@@ -118,6 +131,7 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
     }
     opt.step();
   }
+  net->to(torch::kCPU);
   torch::save(
       net, (test::worker_dir() / ("net" + std::to_string(r) + ".pt")).string());
   return 0;
@@ -149,28 +163,30 @@ DDPKIT_WORKER(ddp_train) {
 }
 
 DDPKIT_WORKER(syncbn_unequal) {
-  auto g = test::worker_group();
+  auto g = device_worker_group();
   const int r = g.rank();
+  const auto device = worker_device();
   // Rank 0 holds 3 samples, rank 1 holds 5: statistics must come from all 8.
   auto gen = at::detail::createCPUGenerator(7);
   auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
   auto wts = torch::randn({8, 4, 3, 3}, gen);
   int64_t start = r == 0 ? 0 : 3, len = r == 0 ? 3 : 5;
-  auto x = x_all.narrow(0, start, len).clone().requires_grad_(true);
+  auto x = x_all.narrow(0, start, len).clone().to(device).requires_grad_(true);
   torch::manual_seed(3);
   nn::BatchNorm2d bn(4);
   bn->weight.data().uniform_(0.5, 1.5);
   bn->bias.data().uniform_(-0.5, 0.5);
+  bn->to(device);
   nn::convert_sync_batchnorm(*bn, g);
   auto y = bn(x);
   // The global loss is the sum over ranks of each rank's part.
-  (y * wts.narrow(0, start, len)).sum().backward();
+  (y * wts.narrow(0, start, len).to(device)).sum().backward();
   auto dir = test::worker_dir();
   auto tag = std::to_string(r);
-  test::save_tensor(y.detach(), dir / ("y" + tag + ".pt"));
-  test::save_tensor(x.grad(), dir / ("dx" + tag + ".pt"));
-  test::save_tensor(bn->running_mean, dir / ("rm" + tag + ".pt"));
-  test::save_tensor(bn->running_var, dir / ("rv" + tag + ".pt"));
+  test::save_tensor(y.detach().cpu(), dir / ("y" + tag + ".pt"));
+  test::save_tensor(x.grad().cpu(), dir / ("dx" + tag + ".pt"));
+  test::save_tensor(bn->running_mean.cpu(), dir / ("rm" + tag + ".pt"));
+  test::save_tensor(bn->running_var.cpu(), dir / ("rv" + tag + ".pt"));
   return 0;
 }
 
@@ -208,6 +224,36 @@ DDPKIT_WORKER(mismatched_models) {
     return 7;
   }
   return 0;
+}
+
+/// Compares the two syncbn_unequal ranks' outputs, input gradients and
+/// running statistics with libtorch's BatchNorm on the joined batch of 8.
+void check_syncbn_unequal(const std::filesystem::path& dir, double tol) {
+    auto gen = at::detail::createCPUGenerator(7);
+    auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
+    auto wts = torch::randn({8, 4, 3, 3}, gen);
+    auto x = x_all.clone().requires_grad_(true);
+    torch::manual_seed(3);
+    torch::nn::BatchNorm2d bn(4);  // libtorch's own BatchNorm as the reference
+    bn->weight.data().uniform_(0.5, 1.5);
+    bn->bias.data().uniform_(-0.5, 0.5);
+    auto y = bn(x);
+    (y * wts).sum().backward();
+    auto y_dist = torch::cat(
+        {test::load_tensor(dir / "y0.pt"), test::load_tensor(dir / "y1.pt")});
+    auto dx_dist = torch::cat(
+        {test::load_tensor(dir / "dx0.pt"), test::load_tensor(dir / "dx1.pt")});
+    MESSAGE("outputs ", test::rel_diff(y_dist, y.detach()), ", input grads ",
+            test::rel_diff(dx_dist, x.grad()));
+    CHECK(test::rel_diff(y_dist, y.detach()) <= tol);
+    CHECK(test::rel_diff(dx_dist, x.grad()) <= tol);
+    for (int r = 0; r < 2; ++r) {
+      auto tag = std::to_string(r);
+      CHECK(test::rel_diff(test::load_tensor(dir / ("rm" + tag + ".pt")),
+                           bn->running_mean) <= tol);
+      CHECK(test::rel_diff(test::load_tensor(dir / ("rv" + tag + ".pt")),
+                           bn->running_var) <= tol);
+    }
 }
 
 TEST_SUITE("parallel") {
@@ -319,31 +365,7 @@ TEST_SUITE("parallel") {
       "concatenated batch") {
     TempDir dir;
     REQUIRE(run_workers("syncbn_unequal", 2, dir.str()).ok());
-    auto gen = at::detail::createCPUGenerator(7);
-    auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
-    auto wts = torch::randn({8, 4, 3, 3}, gen);
-    auto x = x_all.clone().requires_grad_(true);
-    torch::manual_seed(3);
-    torch::nn::BatchNorm2d bn(4);  // libtorch's own BatchNorm as the reference
-    bn->weight.data().uniform_(0.5, 1.5);
-    bn->bias.data().uniform_(-0.5, 0.5);
-    auto y = bn(x);
-    (y * wts).sum().backward();
-    auto y_dist = torch::cat(
-        {test::load_tensor(dir / "y0.pt"), test::load_tensor(dir / "y1.pt")});
-    auto dx_dist = torch::cat(
-        {test::load_tensor(dir / "dx0.pt"), test::load_tensor(dir / "dx1.pt")});
-    MESSAGE("outputs ", test::rel_diff(y_dist, y.detach()), ", input grads ",
-            test::rel_diff(dx_dist, x.grad()));
-    CHECK(test::rel_diff(y_dist, y.detach()) <= 1e-5);
-    CHECK(test::rel_diff(dx_dist, x.grad()) <= 1e-5);
-    for (int r = 0; r < 2; ++r) {
-      auto tag = std::to_string(r);
-      CHECK(test::rel_diff(test::load_tensor(dir / ("rm" + tag + ".pt")),
-                           bn->running_mean) <= 1e-5);
-      CHECK(test::rel_diff(test::load_tensor(dir / ("rv" + tag + ".pt")),
-                           bn->running_var) <= 1e-5);
-    }
+    check_syncbn_unequal(dir.path(), 1e-5);
   }
 
   TEST_CASE("BatchNorm2d matches torch::nn::BatchNorm2d and its state dict") {
@@ -427,3 +449,54 @@ TEST_SUITE("parallel") {
   }
 
 }  // TEST_SUITE("parallel")
+
+// Run by scripts/gpu-check.sh on a machine with a GPU (`ddpkit_tests
+// --test-suite=cuda`); not a CTest entry, since CI has no GPU. Two ranks
+// share cuda:0 over gloo (NCCL refuses two ranks on one device).
+TEST_SUITE("cuda") {
+  TEST_CASE("cuda: DDP at world 2 with CUDA tensors equals one process") {
+    REQUIRE(torch::cuda::is_available());
+    for (bool bn : {false, true}) {
+      CAPTURE(bn);
+      TempDir dir;
+      REQUIRE(run_workers("ddp_train", 2, dir.str(),
+                          {{"T_DEVICE", "cuda"}, {"T_BN", bn ? "1" : "0"}})
+                  .ok());
+      auto ref = reference(2, bn);
+      for (int r = 0; r < 2; ++r) {
+        auto net = load_net(dir / ("net" + std::to_string(r) + ".pt"), bn);
+        double d = test::max_state_diff(*net, *ref);
+        MESSAGE("CUDA world 2", std::string(bn ? " SyncBN" : ""), " rank ", r,
+                ": max relative difference ", d);
+        CHECK(d <= 1e-4);  // float32 on the GPU against the CPU reference
+      }
+    }
+  }
+
+  TEST_CASE("cuda: SyncBN (ATen kernels) equals BN on the joined uneven batch") {
+    REQUIRE(torch::cuda::is_available());
+    TempDir dir;
+    REQUIRE(run_workers("syncbn_unequal", 2, dir.str(), {{"T_DEVICE", "cuda"}})
+                .ok());
+    check_syncbn_unequal(dir.path(), 1e-4);
+  }
+
+#if defined(DDPKIT_HAS_NCCL)
+  TEST_CASE("cuda: NCCL at world 1: init, all-reduce, broadcast") {
+    REQUIRE(torch::cuda::is_available());
+    TempDir dir;
+    auto store = dist::compat::make_file_store((dir / "store").string(), 1,
+                                               std::chrono::seconds(30));
+    auto pg = dist::compat::make_nccl(store, 0, 1, std::chrono::seconds(30),
+                                      /*blocking_wait=*/true);
+    auto t = torch::arange(6, torch::kFloat32).cuda();
+    std::vector<torch::Tensor> v{t};
+    pg->allreduce(v)->wait();
+    CHECK(torch::equal(t.cpu(), torch::arange(6, torch::kFloat32)));
+    auto b = torch::full({3}, 7.0, torch::kCUDA);
+    std::vector<torch::Tensor> vb{b};
+    pg->broadcast(vb)->wait();
+    CHECK(torch::equal(b.cpu(), torch::full({3}, 7.0)));
+  }
+#endif
+}  // TEST_SUITE("cuda")
