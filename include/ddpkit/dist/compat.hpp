@@ -77,6 +77,21 @@ inline StorePtr make_file_store(const std::string& path, int world_size,
   return store;
 }
 
+/// Whether this libtorch's TCPStore client can use the store that torchrun's
+/// agent hosts (TORCHELASTIC_USE_AGENT_STORE). The store's wire protocol
+/// changed in 2.x: a 1.13 client waits forever for a 2.x server's answer.
+/// A 1.13 build cannot ask the agent its version; an agent of PyTorch 2.2 or
+/// later is told by the variable it sets for every worker,
+/// TORCH_NCCL_ASYNC_ERROR_HANDLING (1.13's agent sets
+/// NCCL_ASYNC_ERROR_HANDLING).
+inline bool can_use_agent_store() {
+#if DDPKIT_TORCH_AT_LEAST(2, 0)
+  return true;
+#else
+  return std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr;
+#endif
+}
+
 inline StorePtr make_prefix_store(const std::string& prefix, StorePtr inner) {
   return c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(inner));
 }

@@ -241,6 +241,17 @@ class Group {
       // rendezvous does), or a restarted job would meet the previous
       // attempt's rendezvous counters and gloo addresses.
       if (init_method == "env://" && agent_store()) {
+        if (!compat::can_use_agent_store()) {
+          throw UsageError(cat(
+              "rank ", env.rank,
+              ": torchrun hosts the rendezvous store in its agent "
+              "(TORCHELASTIC_USE_AGENT_STORE=True), and the agent is PyTorch "
+              ">= 2.2 (it set TORCH_NCCL_ASYNC_ERROR_HANDLING): this ddpkit "
+              "build's libtorch ", ddpkit::compat::torch_version(),
+              " cannot talk to that store and would wait forever. Launch "
+              "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ..., or use "
+              "torchrun from the PyTorch this build uses"));
+        }
         const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
         return compat::make_prefix_store(
             cat("/worker/attempt_", attempt ? attempt : "0"),

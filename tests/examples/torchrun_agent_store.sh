@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# torchrun_agent_store.sh BINARY: a -ddp binary built against libtorch 1.13,
+# launched by torchrun >= 2.2 (the project's environment), which hosts the
+# rendezvous store in its agent: 1.13's store client cannot talk to it, so
+# every rank must stop at once with an error that says what to do
+# (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), instead of waiting forever.
+set -uo pipefail
+bin=$1
+source "$(dirname "$0")/torch_python.sh"
+log=$(mktemp)
+new_rdzv
+unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+start=$(date +%s)
+timeout 120 "$py" -m torch.distributed.run "${standalone[@]}" --nproc_per_node=2 --no_python \
+  "$bin" --out "$(mktemp -d)/never" --epochs 1 --max-steps 2 --batch-size 8 --synthetic-size 200 --workers 1 \
+  >"$log" 2>&1
+rc=$?
+took=$(($(date +%s) - start))
+grep -E "TORCHELASTIC_USE_AGENT_STORE|TORCH_DISABLE_SHARE" "$log" | head -4
+((rc != 0 && rc != 124)) || { cat "$log"; echo "torchrun exit $rc (124: it hung), expected a failure"; exit 1; }
+n=$(grep -c "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun" "$log")
+((n >= 2)) || { cat "$log"; echo "expected both ranks to name TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, found $n"; exit 1; }
+echo "refused by both ranks, torchrun exit $rc, in $took s"
