@@ -35,6 +35,16 @@ endif()
 # The wheel's site-packages: <site-packages>/torch/share/cmake/Torch.
 get_filename_component(_ddpkit_site "${Torch_DIR}/../../../.." ABSOLUTE)
 
+# A wheel's libtorch_cuda.so finds NCCL, cuDNN, ... in the wheel's nvidia/*/lib
+# folders through its RUNPATH ($ORIGIN/...), which the loader honours but
+# the link editor does not: it took the CUDA toolkit's older libnccl and
+# failed on symbols only the wheel's has (torch 2.15). -rpath-link points it
+# at the wheel's (added by ddpkit_link_dependencies).
+set(DDPKIT_TORCH_WHEEL_LIBDIRS "")
+if(DDPKIT_TORCH_HAS_CUDA)
+  file(GLOB DDPKIT_TORCH_WHEEL_LIBDIRS LIST_DIRECTORIES true "${_ddpkit_site}/nvidia/*/lib")
+endif()
+
 function(_ddpkit_nccl_version header out)
   file(STRINGS "${header}" _lines REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
   set(v "")
@@ -46,11 +56,21 @@ function(_ddpkit_nccl_version header out)
   set(${out} "${v}" PARENT_SCOPE)
 endfunction()
 
+# The toolkit CMake found here, and (for a wheel) the CUDA torch was built
+# for, which may be newer: the driver of the machine that runs it must
+# support the latter.
 set(_ddpkit_cuda_version "")
 if(CUDAToolkit_VERSION)
   set(_ddpkit_cuda_version "${CUDAToolkit_VERSION}")
 elseif(CUDA_VERSION)
   set(_ddpkit_cuda_version "${CUDA_VERSION}")
+endif()
+if(EXISTS "${_ddpkit_site}/torch/version.py")
+  file(STRINGS "${_ddpkit_site}/torch/version.py" _ddpkit_torch_cuda REGEX "^cuda")
+  string(REGEX MATCH "'([0-9.]+)'" _m "${_ddpkit_torch_cuda}")
+  if(CMAKE_MATCH_1)
+    set(_ddpkit_cuda_version "${CMAKE_MATCH_1} (toolkit here: ${_ddpkit_cuda_version})")
+  endif()
 endif()
 
 if(DDPKIT_TORCH_HAS_CUDA AND DDPKIT_NCCL)
@@ -69,7 +89,10 @@ if(DDPKIT_TORCH_HAS_CUDA AND DDPKIT_NCCL)
   file(GLOB _ddpkit_nccl_dist "${_ddpkit_site}/nvidia_nccl_cu*.dist-info")
   if(_ddpkit_nccl_dist)
     list(GET _ddpkit_nccl_dist 0 _ddpkit_nccl_dist)
-    string(REGEX MATCH "-([0-9]+\\.[0-9]+\\.[0-9]+)" _m "${_ddpkit_nccl_dist}")
+    # The version from the folder's own name (the path above it may hold
+    # other version-like parts, e.g. build-torch-2.15.0/).
+    get_filename_component(_ddpkit_nccl_dist_name "${_ddpkit_nccl_dist}" NAME)
+    string(REGEX MATCH "^nvidia_nccl_cu[0-9]+-([0-9]+\\.[0-9]+\\.[0-9]+)" _m "${_ddpkit_nccl_dist_name}")
     if(CMAKE_MATCH_1 AND NOT CMAKE_MATCH_1 STREQUAL _ddpkit_nccl_v)
       message(FATAL_ERROR
         "ddpkit: ${DDPKIT_NCCL_INCLUDE_DIR}/nccl.h is NCCL ${_ddpkit_nccl_v}, but this "

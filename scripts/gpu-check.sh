@@ -19,7 +19,7 @@
 #   here:   scripts/gpu-prepare.sh
 #   device: run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=540)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu-check.log") 2>&1

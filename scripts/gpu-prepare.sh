@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
-build=build-gpu
+build="build-gpu"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDDPKIT_TORCH=venv \
   "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG" -DDDPKIT_MODE=single \
   -DDDPKIT_BUILD_TESTS=ON -DDDPKIT_BUILD_EXAMPLES=ON -DDDPKIT_BUILD_BENCHMARKS=ON \

@@ -9,7 +9,9 @@
 #      suite (the six doctest suites run in stage 2 instead, unless
 #      DDPKIT_SANITIZE=0)
 #   2. torch 2.11: the unit and multi-process suites under AddressSanitizer
-#      + UBSan (CMake preset "asan-ubsan", build-asan/)
+#      + UBSan (CMake preset "asan-ubsan", build-asan/; without GCC's
+#      -Wmaybe-uninitialized, which the sanitizers' instrumentation makes
+#      report false positives inside libtorch's inline code)
 #   3. torch 2.11: short libFuzzer runs of the input parsers
 #      (scripts/fuzz.sh, build-fuzz/)
 #   4. torch 1.13 (Debian's libtorch-dev, CPU): -O1 build of the library's
