@@ -34,6 +34,12 @@ site=$(dirname "$(dirname "$torch_lib")")
 nvlibs=$(ls -d "$site"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
 export LD_LIBRARY_PATH="$torch_lib:$nvlibs$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+missing=$(ldd .gpu/bin/* 2>&1 | grep -E "not found|GLIBC" | sort -u)
+if [[ -n $missing ]]; then
+  echo "gpu-check: the binaries from .gpu/ cannot start on this machine:"
+  echo "$missing"
+  exit 2
+fi
 t0=$(date +%s)
 stamp() { echo "== $* ($(($(date +%s) - t0)) s)"; }
 

@@ -5,7 +5,8 @@
 #   cuda_linked.sh BINARY NCCL(ON|OFF)
 set -euo pipefail
 bin=$1 nccl=$2
-readelf -d "$bin" | grep -q 'NEEDED.*libtorch_cuda\.so' ||
+needed=$(readelf -d "$bin")
+grep -q 'NEEDED.*libtorch_cuda\.so' <<<"$needed" ||
   { echo "$bin does not link libtorch_cuda.so"; readelf -d "$bin" | grep NEEDED; exit 1; }
 echo "$bin links libtorch_cuda.so"
 if [[ $nccl == ON ]]; then
