@@ -14,6 +14,20 @@ if(PkgConfig_FOUND)
   pkg_check_modules(DDPKIT_TURBOJPEG QUIET IMPORTED_TARGET libturbojpeg)
 endif()
 find_package(PNG QUIET)
+# JPEG region decode (RandomResizedCrop decodes only the crop) uses
+# libjpeg's own API, whose header is libjpeg62-turbo-dev's. Leaving it out is
+# a choice (-DDDPKIT_JPEG_REGION=OFF: whole images are decoded, then
+# cropped), never an accident of what a machine happens to have.
+option(DDPKIT_JPEG_REGION "JPEG region decode through libjpeg's API (needs jpeglib.h)" ON)
+if(DDPKIT_JPEG_REGION AND TARGET PkgConfig::DDPKIT_TURBOJPEG)
+  find_path(DDPKIT_JPEGLIB_INCLUDE jpeglib.h)
+  if(NOT DDPKIT_JPEGLIB_INCLUDE)
+    message(FATAL_ERROR
+      "ddpkit: jpeglib.h not found, which the JPEG region decode needs: install "
+      "libjpeg62-turbo-dev (scripts/install-deps.sh does), or build without the "
+      "region decode with -DDDPKIT_JPEG_REGION=OFF.")
+  endif()
+endif()
 
 # ddpkit_link_dependencies(<target> [BUILD_TREE]): BUILD_TREE wraps every
 # item in $<BUILD_INTERFACE:...> so the exported target stays free of paths.
@@ -40,6 +54,11 @@ function(ddpkit_link_dependencies target)
   if(TARGET PkgConfig::DDPKIT_TURBOJPEG)
     list(APPEND libs PkgConfig::DDPKIT_TURBOJPEG)
     list(APPEND defs DDPKIT_HAS_TURBOJPEG=1)
+    if(DDPKIT_JPEG_REGION)
+      list(APPEND defs DDPKIT_HAS_JPEG_REGION=1)
+    else()
+      list(APPEND defs DDPKIT_NO_JPEG_REGION=1)
+    endif()
   endif()
   if(PNG_FOUND)
     list(APPEND libs PNG::PNG)

@@ -408,6 +408,9 @@ DDPKIT_WORKER(eval_strategies) {
       << " "
       << (std::abs(ra.loss - rb.loss) <= 1e-6 * std::abs(ra.loss) ? "same"
                                                                   : "differ");
+  // What each rank evaluated itself: rank 0 all of it, or its shard.
+  std::ofstream(test::worker_dir() / ("local" + std::to_string(g.rank())))
+      << ra.local_count << " " << rb.local_count;
   return 0;
 }
 
@@ -426,6 +429,11 @@ TEST_SUITE("train") {
     CHECK(a1 == a2);
     CHECK(read_file(dir / "eval1") == r0);
     CHECK(read_file(dir / "eval2") == r0);
+    // Rank-0 evaluation: rank 0 alone; sharded: 4 + 3 + 3 (not rank 0
+    // evaluating everything and the others nothing).
+    CHECK(read_file(dir / "local0") == "10 4");
+    CHECK(read_file(dir / "local1") == "0 3");
+    CHECK(read_file(dir / "local2") == "0 3");
   }
 }
 

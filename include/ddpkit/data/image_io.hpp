@@ -21,6 +21,11 @@
 #ifdef DDPKIT_HAS_TURBOJPEG
 #include <turbojpeg.h>
 // Region decode through libjpeg's own API (see `decode_jpeg_region`).
+// ddpkit's CMake asks for it (DDPKIT_HAS_JPEG_REGION) or opts out
+// (DDPKIT_NO_JPEG_REGION); without either, it is used where it is found.
+#if defined(DDPKIT_HAS_JPEG_REGION) && !__has_include(<jpeglib.h>)
+#error "DDPKIT_HAS_JPEG_REGION is set but jpeglib.h is missing: install libjpeg62-turbo-dev or define DDPKIT_NO_JPEG_REGION"
+#endif
 #if __has_include(<jpeglib.h>) && __has_include(<dlfcn.h>) && !defined(DDPKIT_NO_JPEG_REGION)
 #define DDPKIT_JPEG_REGION 1
 #include <dlfcn.h>
@@ -40,6 +45,10 @@
 #undef FAR
 #undef JPP
 #endif
+#endif
+#if defined(DDPKIT_HAS_JPEG_REGION) && defined(DDPKIT_HAS_TURBOJPEG) && \
+    !defined(DDPKIT_JPEG_REGION) && !defined(DDPKIT_NO_JPEG_REGION)
+#error "DDPKIT_HAS_JPEG_REGION is set but the JPEG region decode is not available (no <dlfcn.h>?)"
 #endif
 #ifdef DDPKIT_HAS_PNG
 #include <png.h>

@@ -78,7 +78,8 @@ struct FitResult {
 struct EvalResult {
   double loss = 0;
   double accuracy = 0;
-  int64_t count = 0;
+  int64_t count = 0;        ///< samples evaluated, all ranks together
+  int64_t local_count = 0;  ///< of those, the samples this rank evaluated
 };
 
 /// Information handed to user hooks.

@@ -84,25 +84,29 @@ EvalResult DDPKIT_TRAINER::evaluate(const Dataset& set,
   lo.rank(group_.rank());
   const std::size_t n = set.size();
   torch::Tensor sums;
+  int64_t local = 0;
   const bool distributed = Parallel::is_multi_process && group_.size() > 1;
   if (distributed && Reduction::shards_evaluation) {
     data::DistributedSampling shard(
         n, {.rank = group_.rank(), .world_size = group_.size()},
         data::DistributedSamplingOptions().shuffle(false).evaluation(true));
-    sums =
-        eval_sums(set, eval_transform, lo, shard.indices()).to(group_.device());
+    sums = eval_sums(set, eval_transform, lo, shard.indices());
+    local = static_cast<int64_t>(sums[2].template item<double>());
+    sums = sums.to(group_.device());
     dist::all_reduce(group_, sums);
   } else {
     data::SequentialSampling all(n);
     sums = (!distributed || is_main())
                ? eval_sums(set, eval_transform, lo, all.indices())
                : torch::zeros({3}, torch::kFloat64);
+    local = static_cast<int64_t>(sums[2].template item<double>());
     sums = sums.to(group_.device());
     if (distributed) dist::broadcast(group_, sums, 0);
   }
   sums = sums.cpu();
   EvalResult r;
   r.count = static_cast<int64_t>(sums[2].template item<double>());
+  r.local_count = local;
   if (r.count > 0) {
     r.loss = sums[0].template item<double>() / r.count;
     r.accuracy = sums[1].template item<double>() / r.count;
