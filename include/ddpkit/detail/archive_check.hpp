@@ -357,13 +357,7 @@ std::string pickle_problem(std::string_view p, const RecordSize& record_size) {
         break;
       case 0x8a:  // LONG1: little-endian two's complement
         if (payload.size() <= 8) {
-          std::uint64_t v = 0;
-          for (std::size_t k = payload.size(); k-- > 0;)
-            v = (v << 8) | static_cast<unsigned char>(payload[k]);
-          if (!payload.empty() && payload.size() < 8 &&
-              (static_cast<unsigned char>(payload.back()) & 0x80))
-            v |= ~std::uint64_t{0} << (8 * payload.size());
-          pushed = integer(static_cast<std::int64_t>(v));
+          pushed = integer(pickle::long1_value(payload));
         } else {
           pushed = Value{};
         }

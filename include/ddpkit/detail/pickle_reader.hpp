@@ -69,6 +69,18 @@ inline std::string read_whole_file(const std::filesystem::path& path,
 
 namespace pickle {
 
+/// LONG1's payload (at most 8 bytes): a little-endian two's-complement
+/// integer.
+inline std::int64_t long1_value(std::string_view bytes) {
+  std::uint64_t v = 0;
+  for (std::size_t k = bytes.size(); k-- > 0;)
+    v = (v << 8) | static_cast<unsigned char>(bytes[k]);
+  if (!bytes.empty() && bytes.size() < 8 &&
+      (static_cast<unsigned char>(bytes.back()) & 0x80))
+    v |= ~std::uint64_t{0} << (8 * bytes.size());
+  return static_cast<std::int64_t>(v);
+}
+
 /// A value on the unpickler's stack.
 struct Obj;
 using Ptr = std::shared_ptr<Obj>;
@@ -160,13 +172,7 @@ class Unpickler {
         case 0x8a: {  // LONG1
           const auto bytes = take(static_cast<std::size_t>(le(take(1))));
           if (bytes.size() > 8) fail("an integer of more than 64 bits");
-          std::uint64_t v = 0;
-          for (std::size_t k = bytes.size(); k-- > 0;)
-            v = (v << 8) | static_cast<unsigned char>(bytes[k]);
-          if (!bytes.empty() && bytes.size() < 8 &&
-              (static_cast<unsigned char>(bytes.back()) & 0x80))
-            v |= ~std::uint64_t{0} << (8 * bytes.size());
-          push_int(static_cast<std::int64_t>(v));
+          push_int(long1_value(bytes));
           break;
         }
         case 'G': {  // BINFLOAT: big-endian double
