@@ -1,6 +1,7 @@
 #include "../support.hpp"
 
 #include <filesystem>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <numeric>
@@ -416,6 +417,46 @@ TEST_SUITE("data") {
         auto diff = (part_t.to(torch::kInt32) - ref.to(torch::kInt32)).abs();
         // The same decoder on the same coefficients: the same pixels.
         CHECK(diff.max().item<int>() == 0);
+      }
+    }
+    SUBCASE("images under 8 pixels a side, at every scale") {
+      // The fuzz finding tests/fuzz/regressions/image/jpeg-3x1-scale-collision:
+      // TurboJPEG takes an output size, not a factor, and a 3x1 image is 1x1
+      // at 1/8 and at 1/4, so it decoded at 1/4 while the region decode used
+      // 1/8: different pixels. Both must now use the same factor.
+      for (auto [h, w] : {std::pair<int64_t, int64_t>{1, 3}, {2, 5}, {3, 7},
+                          {7, 2}, {5, 5}}) {
+        auto tiny = (torch::rand({3, h, w}) * 255).to(torch::kUInt8);
+        write_jpeg(tmp / "tiny.jpg", tiny, 90);
+        const auto tb = read_file_bytes(tmp / "tiny.jpg");
+        for (int num : {8, 4, 2, 1}) {
+          for (bool fast : {false, true}) {
+            CAPTURE(h);
+            CAPTURE(w);
+            CAPTURE(num);
+            CAPTURE(fast);
+            JpegDecodeOptions o;
+            o.scale_num = num;
+            o.fast = fast;
+            std::vector<uint8_t> full, part;
+            const auto fs = decode_jpeg_hwc(tb, full, o);
+            JpegBlock block;
+            if (!decode_jpeg_region(tb, 0, 0, static_cast<double>(h),
+                                    static_cast<double>(w), part, block, o)) {
+#if defined(DDPKIT_HAS_JPEG_REGION)
+              FAIL("the region decode declined a tiny image");
+#endif
+              continue;
+            }
+            REQUIRE(block.height == fs.height);
+            REQUIRE(block.width == fs.width);
+            for (int64_t y = 0; y < block.height; ++y) {
+              CHECK(std::memcmp(part.data() + block.offset + y * block.stride,
+                                full.data() + y * fs.width * 3,
+                                static_cast<std::size_t>(fs.width) * 3) == 0);
+            }
+          }
+        }
       }
     }
     SUBCASE("a truncated file is an error whatever the region") {

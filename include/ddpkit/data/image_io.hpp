@@ -133,6 +133,27 @@ inline tjhandle thread_decompressor() {
   if (!t.h) throw Error("decode_jpeg: tjInitDecompress failed");
   return t.h;
 }
+/// The scaling factor TurboJPEG really decodes a `width`×`height` JPEG at
+/// when asked for `scale_num`/8: tjDecompress2 takes an output size, not a
+/// factor, and uses the first (largest) factor whose output fits. Below 8
+/// pixels a side several factors give the same size (a 3×1 image is 1×1 at
+/// 1/8 and at 1/4), and it then decodes at the larger one. The region
+/// decode uses the same factor, so both paths give the same pixels.
+inline tjscalingfactor tj_effective_scale(int64_t width, int64_t height,
+                                          int scale_num) {
+  const tjscalingfactor want{scale_num, 8};
+  const int sw = TJSCALED(static_cast<int>(width), want);
+  const int sh = TJSCALED(static_cast<int>(height), want);
+  int n = 0;
+  const tjscalingfactor* f = tjGetScalingFactors(&n);
+  for (int i = 0; f != nullptr && i < n; ++i) {
+    if (TJSCALED(static_cast<int>(width), f[i]) <= sw &&
+        TJSCALED(static_cast<int>(height), f[i]) <= sh) {
+      return f[i];
+    }
+  }
+  return want;
+}
 /// A failed header read can leave the decompressor mid-stream, and every
 /// later image on this thread then fails ("Bogus marker length"): after
 /// any failure, start a fresh one.
@@ -189,6 +210,8 @@ inline ImageSize jpeg_size(const std::vector<unsigned char>& bytes,
 struct JpegDecodeOptions {
   /// DCT-domain downscale `scale_num / 8` (8: full size; libjpeg-turbo
   /// accelerates 8, 4, 2 and 1 with SIMD, the others are slower than 8).
+  /// An image under 8 pixels a side may be decoded at a larger factor with
+  /// the same output size (what TurboJPEG does; `detail::tj_effective_scale`).
   int scale_num = 8;
   /// TJFLAG_FASTDCT | TJFLAG_FASTUPSAMPLE: the integer "IFAST" IDCT and
   /// nearest-neighbour chroma upsampling instead of libjpeg's default
@@ -358,8 +381,16 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data,
     return 3;
   }
   cinfo.out_color_space = JCS_RGB;
+#ifdef DDPKIT_HAS_TURBOJPEG
+  // The factor the full decode (TurboJPEG) really uses; see there.
+  const tjscalingfactor f = tj_effective_scale(
+      cinfo.image_width, cinfo.image_height, opts.scale_num);
+  cinfo.scale_num = static_cast<unsigned>(f.num);
+  cinfo.scale_denom = static_cast<unsigned>(f.denom);
+#else
   cinfo.scale_num = static_cast<unsigned>(opts.scale_num);
   cinfo.scale_denom = 8;
+#endif
   if (opts.fast) {
     cinfo.dct_method = JDCT_IFAST;
     cinfo.do_fancy_upsampling = 0;
