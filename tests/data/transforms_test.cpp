@@ -1,6 +1,8 @@
 #include "../support.hpp"
 
 #include <filesystem>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "ddpkit/data.hpp"
@@ -109,6 +111,51 @@ TEST_SUITE("data") {
         CHECK(box.top + box.height <= 60);
         CHECK(box.left + box.width <= 80);
       }
+    }
+    SUBCASE("crop boxes keep torchvision's scale and ratio bounds") {
+      // A large image, so rounding the sides to whole pixels moves the area
+      // and the ratio by well under 1%.
+      const int64_t H = 600, W = 800;
+      const double A = static_cast<double>(H * W);
+      for (auto [scale, ratio] :
+           {std::pair<std::array<double, 2>, std::array<double, 2>>{
+                {0.08, 1.0}, {3.0 / 4, 4.0 / 3}},
+            {{0.5, 0.6}, {1.5, 2.0}}}) {
+        CAPTURE(scale[0]);
+        CAPTURE(ratio[0]);
+        auto u = torch::rand({2000, 40}, g1);
+        double lo_s = 1e9, hi_s = 0, lo_r = 1e9, hi_r = 0;
+        for (int64_t k = 0; k < 2000; ++k) {
+          auto b = random_resized_crop_box(H, W, scale, ratio,
+                                           u[k].data_ptr<float>());
+          const double s = static_cast<double>(b.height * b.width) / A;
+          const double r = static_cast<double>(b.width) / b.height;
+          // Rounding each side by up to half a pixel.
+          const double tol = 0.5 / b.height + 0.5 / b.width;
+          CHECK(s >= scale[0] * (1 - tol));
+          CHECK(s <= scale[1] * (1 + tol));
+          CHECK(r >= ratio[0] * (1 - tol));
+          CHECK(r <= ratio[1] * (1 + tol));
+          lo_s = std::min(lo_s, s), hi_s = std::max(hi_s, s);
+          lo_r = std::min(lo_r, r), hi_r = std::max(hi_r, r);
+        }
+        // And they use the range (not, say, always the full image).
+        const double span_s = scale[1] - scale[0];
+        CHECK(lo_s < scale[0] + 0.05 * span_s);
+        CHECK(hi_s > scale[1] - 0.05 * span_s);
+        CHECK(lo_r < ratio[0] * 1.03);
+        CHECK(hi_r > ratio[1] / 1.03);
+      }
+      // No try fits a 10x300 strip at ratio <= 4/3: torchvision's fallback,
+      // the centre crop at the nearest allowed ratio.
+      auto u = torch::rand({40}, g1);
+      auto b = random_resized_crop_box(10, 300, {0.08, 1.0},
+                                       {3.0 / 4, 4.0 / 3},
+                                       u.data_ptr<float>());
+      CHECK(b.height == 10);
+      CHECK(b.width == 13);
+      CHECK(b.top == 0);
+      CHECK(b.left == (300 - 13) / 2);
     }
   }
 
@@ -326,9 +373,29 @@ TEST_SUITE("data") {
       CHECK_THROWS_WITH_AS(epoch.next(), "broken sample", ddpkit::UsageError);
     }
     SUBCASE("abandoning an epoch midway stops its workers") {
+      // Worker threads are named "ddpkit-loader"; count them in /proc.
+      auto workers = [] {
+        int n = 0;
+        for (const auto& t :
+             std::filesystem::directory_iterator("/proc/self/task")) {
+          std::ifstream comm(t.path() / "comm");
+          std::string name;
+          std::getline(comm, name);
+          n += name == "ddpkit-loader";
+        }
+        return n;
+      };
+      REQUIRE(workers() == 0);
       Loader loader(set, CifarTrain{}, LoaderOptions(8).workers(3).prefetch(2));
-      auto epoch = loader.epoch(sampler.indices(), 0);
-      CHECK(epoch.next().has_value());
+      {
+        auto epoch = loader.epoch(sampler.indices(), 0);
+        CHECK(epoch.next().has_value());
+        // At least the 3 workers (a thread a worker starts, e.g. an OpenMP
+        // team for a parallel op, inherits the name).
+        CHECK(workers() >= 3);
+      }
+      // Gone when the epoch is, not merely idle.
+      CHECK(workers() == 0);
     }
   }
 

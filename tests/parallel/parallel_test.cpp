@@ -115,13 +115,27 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
       auto loss_half = [](const torch::Tensor& o, const torch::Tensor& t) {
         return test::ce_loss(o, t) / 2;
       };
+      // Averaging is linear, so the weights cannot tell a no_sync that
+      // communicates from one that does not: count the collectives.
+      const auto before = g.collectives_started();
       {
         auto guard = eng.no_sync();
         eng.forward_backward(xr.narrow(0, 0, half), yr.narrow(0, 0, half),
                              loss_half);
       }
+      const auto during = g.collectives_started() - before;
       eng.forward_backward(xr.narrow(0, half, half), yr.narrow(0, half, half),
                            loss_half);
+      const auto synced = g.collectives_started() - before - during;
+      const auto buckets = eng.reducer() ? eng.reducer()->buckets().size() : 0;
+      if (during != 0 || synced != buckets) {
+        std::fprintf(stderr,
+                     "rank %d: %llu collective(s) under no_sync (want 0), %llu "
+                     "in the synced backward (want one per bucket, %zu)\n",
+                     r, static_cast<unsigned long long>(during),
+                     static_cast<unsigned long long>(synced), buckets);
+        return 13;
+      }
     } else {
       eng.forward_backward(xr, yr, test::ce_loss);
     }
@@ -420,6 +434,54 @@ TEST_SUITE("parallel") {
       MESSAGE(replicas, " replicas: max relative difference ", d);
       CHECK(d <= 1e-5);
     }
+  }
+
+  TEST_CASE(
+      "DataParallel: batch 7 over 3 replicas, unequal parts weighted exactly") {
+    auto ref = reference(1, false, 7);
+    auto net = test::make_net(100, false);
+    parallel::DataParallel::engine<test::SmallNet> eng(
+        net, dist::Group{}, parallel::DataParallelOptions().replicas(3),
+        torch::kCPU);
+    auto opt = test::make_sgd(*net);
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = test::global_batch(s, 7);
+      // The weights this step starts from, for the per-replica check.
+      auto start = test::make_net(0, false);
+      {
+        torch::NoGradGuard no_grad;
+        auto src = net->parameters();
+        auto dst = start->parameters();
+        for (std::size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+      }
+      opt.zero_grad();
+      auto out = eng.forward_backward(x, y, test::ce_loss);
+      CHECK(out.output.size(0) == 7);
+      // Every replica ran, on 3, 2 and 2 rows.
+      CHECK(eng.last_split() == std::vector<int64_t>{3, 2, 2});
+      // Replicas 1 and 2 hold the gradient of their own rows' mean loss
+      // weighted by their share of the batch (2/7).
+      int64_t row = 3;
+      for (std::size_t k = 1; k < 3; ++k) {
+        CAPTURE(k);
+        start->zero_grad();
+        (test::ce_loss(start->forward(x.narrow(0, row, 2)), y.narrow(0, row, 2)) *
+         (2.0 / 7.0))
+            .backward();
+        auto want = start->parameters();
+        auto got = eng.replica(k)->parameters();
+        REQUIRE(got.size() == want.size());
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          REQUIRE(got[i].grad().defined());
+          CHECK(torch::allclose(got[i].grad(), want[i].grad(), 1e-5, 1e-7));
+        }
+        row += 2;
+      }
+      opt.step();
+    }
+    double d = test::max_state_diff(*net, *ref);
+    MESSAGE("7 rows over 3 replicas: max relative difference ", d);
+    CHECK(d <= 1e-5);
   }
 
   TEST_CASE("DDP: unused parameters are an error naming them, or handled") {

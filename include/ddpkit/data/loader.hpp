@@ -4,6 +4,10 @@
 // so the batches are the same whatever the number of workers.
 #pragma once
 
+#ifdef __linux__
+#include <pthread.h>
+#endif
+
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -184,8 +188,13 @@ class LoaderEpoch {
     s.num_batches = s.state->options.drop_last()
                         ? s.indices.size() / bs
                         : (s.indices.size() + bs - 1) / bs;
-    for (int w = 0; w < s.state->options.workers(); ++w)
+    for (int w = 0; w < s.state->options.workers(); ++w) {
       threads_.emplace_back([p = shared_.get()] { p->work(); });
+#ifdef __linux__
+      // Named for top, gdb and /proc (the tests count them by this name).
+      pthread_setname_np(threads_.back().native_handle(), "ddpkit-loader");
+#endif
+    }
   }
   LoaderEpoch(LoaderEpoch&&) noexcept = default;
   LoaderEpoch& operator=(LoaderEpoch&&) = delete;

@@ -7,7 +7,9 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -205,6 +207,18 @@ class Group {
     return store_;
   }
 
+  /// How many collectives this group (and its copies) has started: every
+  /// all-reduce, all-gather and broadcast of `dist/collectives.hpp`, the
+  /// reducer's bucket all-reduces among them. A world of one starts none.
+  /// Tests use it to prove that nothing was sent (e.g. under `no_sync`).
+  std::uint64_t collectives_started() const {
+    return collectives_->load(std::memory_order_relaxed);
+  }
+  /// Counts one collective (called by the functions that start them).
+  void count_collective() const {
+    collectives_->fetch_add(1, std::memory_order_relaxed);
+  }
+
  private:
   static compat::StorePtr rendezvous(const DistEnv& env,
                                      const std::string& init_method,
@@ -400,6 +414,8 @@ class Group {
   std::shared_ptr<ShmChannel> shm_;
   std::chrono::milliseconds timeout_{std::chrono::seconds(300)};
   torch::Device device_{torch::kCPU};
+  std::shared_ptr<std::atomic<std::uint64_t>> collectives_ =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
 };
 
 }  // namespace ddpkit::dist

@@ -92,6 +92,22 @@ struct DataParallel {
     std::size_t num_replicas() const {
       return devices_.size();
     }
+    /// Replica `k` (0: the model itself, whose gradients the step sums
+    /// into; the others hold their own part's gradient until the next step).
+    Model& replica(std::size_t k) {
+      if (k >= devices_.size()) {
+        throw UsageError(ddpkit::detail::cat("DataParallel: replica ", k,
+                                             " of ", devices_.size()));
+      }
+      return k == 0 ? model_ : replicas_[k - 1];
+    }
+    /// The rows of the last step's batch that each replica ran forward and
+    /// backward on (0 for a replica that had no part: a batch smaller than
+    /// the replica count). PyTorch's split: the first `n % replicas` parts
+    /// are one row longer.
+    const std::vector<int64_t>& last_split() const {
+      return last_split_;
+    }
 
     torch::Tensor forward(const torch::Tensor& x) {
       return model_->forward(x);
@@ -108,6 +124,7 @@ struct DataParallel {
       refresh_replicas(used);
       std::vector<torch::Tensor> outs(used), losses(used);
       std::vector<std::exception_ptr> errors(used);
+      last_split_.assign(devices_.size(), 0);
       // Autocast is per thread: the replicas' threads take this thread's
       // (PyTorch's parallel_apply does the same).
       const auto autocast = ddpkit::compat::autocast_state();
@@ -127,6 +144,7 @@ struct DataParallel {
           loss.backward();
           outs[k] = out.detach().to(devices_[0]);
           losses[k] = loss.detach().to(devices_[0]);
+          last_split_[k] = xk.size(0);
         } catch (...) {
           errors[k] = std::current_exception();
         }
@@ -199,6 +217,7 @@ struct DataParallel {
     Model model_;
     std::vector<Model> replicas_;
     std::vector<torch::Device> devices_;
+    std::vector<int64_t> last_split_;
   };
 };
 
