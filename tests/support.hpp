@@ -65,6 +65,38 @@ inline std::string python_with_torch() {
   return std::system(cmd.c_str()) == 0 ? py : "";
 }
 
+/// Writes named tensors as one dict that Python's plain `torch.load`
+/// (weights_only) reads.
+inline void save_tensors(
+    const std::filesystem::path& p,
+    const std::vector<std::pair<std::string, torch::Tensor>>& items) {
+  c10::Dict<std::string, torch::Tensor> d;
+  for (const auto& [k, v] : items) d.insert(k, v);
+  std::ofstream(p, std::ios::binary)
+      << ddpkit::compat::save_for_python(c10::IValue(d));
+}
+
+/// Runs `check` (a Python script's text) with the project's Python with
+/// torch and torchvision, arguments `args`; its exit status. When there is
+/// no such Python: a failure under CI, else a loud skip (returns -1).
+inline int run_python_check(const std::filesystem::path& dir,
+                            const std::string& check,
+                            const std::string& args) {
+  const auto py = python_with_torch();
+  if (py.empty()) {
+    // scripts/install-deps.sh makes the environment: in CI it must be there.
+    if (in_ci()) {
+      FAIL("no Python with torch and torchvision (run scripts/install-deps.sh)");
+    }
+    MESSAGE("SKIPPED: no Python with torch and torchvision (run "
+            "scripts/install-deps.sh)");
+    return -1;
+  }
+  std::ofstream(dir / "check.py") << check;
+  const auto cmd = py + " " + (dir / "check.py").string() + " " + args;
+  return std::system(cmd.c_str());
+}
+
 /// A fresh folder under the system temp dir, removed by the destructor.
 class TempDir {
  public:

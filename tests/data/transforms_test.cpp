@@ -159,6 +159,79 @@ TEST_SUITE("data") {
     }
   }
 
+  TEST_CASE("colour jitter follows torchvision's definitions") {
+    // Each of brightness, contrast, saturation and hue alone, at the
+    // recipe's strengths (0.2, 0.2, 0.2, 0.1) both ways, against
+    // torchvision's own functional ops on the same image and factors.
+    torch::manual_seed(5);
+    auto img = torch::nn::functional::interpolate(
+                   torch::rand({1, 3, 6, 6}),
+                   torch::nn::functional::InterpolateFuncOptions()
+                       .size(std::vector<int64_t>{24, 24})
+                       .mode(torch::kBilinear)
+                       .align_corners(false))
+                   .mul(255)
+                   .round()
+                   .to(torch::kUInt8);
+    // Rows: brightness 0.8, 1.2; contrast 0.8, 1.2; saturation 0.8, 1.2;
+    // hue -0.1, +0.1.
+    const int64_t n = 8;
+    auto b = torch::ones({n}), c = torch::ones({n}), s = torch::ones({n}),
+         h = torch::zeros({n});
+    for (int k = 0; k < 2; ++k) {
+      const float f = k == 0 ? 0.8f : 1.2f;
+      b[k] = f, c[2 + k] = f, s[4 + k] = f;
+      h[6 + k] = k == 0 ? -0.1f : 0.1f;
+    }
+    auto order = torch::arange(4).repeat({n, 1});
+    auto x = img.expand({n, 3, 24, 24}).to(torch::kFloat).reshape({n, 3, -1});
+    auto [M, t] = ddpkit::data::detail::jitter_affine_with(x.mean(2), b, c, s, h, order);
+    auto y = torch::baddbmm(t.unsqueeze(2), M, x).clamp_(0, 1).view(
+        {n, 3, 24, 24});
+    ddpkit::test::TempDir tmp;
+    ddpkit::test::save_tensors(
+        tmp / "jitter.pt",
+        {{"x", img.squeeze(0)}, {"y", y}, {"b", b}, {"c", c}, {"s", s}, {"h", h}});
+    const int rc = ddpkit::test::run_python_check(tmp.path(), R"PY(
+import sys, torch
+import torchvision.transforms.functional as TF
+from torchvision.transforms import _functional_tensor as FT
+d = torch.load(sys.argv[1] + "/jitter.pt")
+x = d["x"].float() / 255
+y = d["y"]
+ok = True
+for k, (name, fn, f) in enumerate(
+        [("brightness", TF.adjust_brightness, d["b"][0]), ("brightness", TF.adjust_brightness, d["b"][1]),
+         ("contrast", TF.adjust_contrast, d["c"][2]), ("contrast", TF.adjust_contrast, d["c"][3]),
+         ("saturation", TF.adjust_saturation, d["s"][4]), ("saturation", TF.adjust_saturation, d["s"][5])]):
+    ref = fn(x, float(f))
+    err = (y[k] - ref).abs().max().item()
+    moved = (ref - x).abs().mean().item()
+    print(f"{name} {float(f):.1f}: max |ddpkit - torchvision| {err:.2e}, torchvision moved pixels by {moved:.3f} on average")
+    ok &= err < 1e-5 and moved > 0.01
+# Hue: ddpkit rotates chroma in YIQ where torchvision shifts HSV hue, so
+# pixels differ; the hue itself must turn the same way by about as much.
+def hue(t): return FT._rgb2hsv(t)[0]
+def turn(a, b): return ((a - b + 0.5) % 1) - 0.5
+hsv = FT._rgb2hsv(x)
+mask = (hsv[1] > 0.2) & (hsv[2] > 0.2)
+for k in (6, 7):
+    f = float(d["h"][k])
+    ref = TF.adjust_hue(x, f)
+    ours = turn(hue(y[k]), hue(x))[mask]
+    err = turn(hue(y[k]), hue(ref))[mask].abs()
+    luma = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
+    dluma = ((y[k] - x) * luma).sum(0).abs().max().item()
+    print(f"hue {f:+.1f}: mean turn {ours.mean().item():+.4f} (torchvision {turn(hue(ref), hue(x))[mask].mean().item():+.4f}), "
+          f"max |hue - torchvision's| {err.max().item():.4f} turns, max luma change {dluma:.4f}, {int(mask.sum())} pixels")
+    ok &= abs(ours.mean().item() - f) < 0.02 and err.max().item() < 0.05
+sys.exit(0 if ok else 1)
+)PY",
+                                                  tmp.str());
+    if (rc == -1) return;
+    CHECK(rc == 0);
+  }
+
   namespace {
 
   /// torch's antialiased bilinear resize (PIL's filter) of a uint8 3×H×W crop,

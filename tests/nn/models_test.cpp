@@ -13,16 +13,6 @@ using namespace ddpkit;
 
 namespace {
 
-/// A Python with torch and torchvision, or "" (the test then skips).
-void save_tensors(
-    const std::filesystem::path& p,
-    const std::vector<std::pair<std::string, torch::Tensor>>& items) {
-  c10::Dict<std::string, torch::Tensor> d;
-  for (const auto& [k, v] : items) d.insert(k, v);
-  std::ofstream(p, std::ios::binary)
-      << ddpkit::compat::save_for_python(c10::IValue(d));
-}
-
 std::string what_of(const std::function<void()>& f) {
   try {
     f();
@@ -199,7 +189,7 @@ TEST_SUITE("nn") {
       y = net->forward(x);
     }
     nn::save_state_dict(*net, tmp / "ddpkit_r34.pt");
-    save_tensors(tmp / "io.pt", {{"x", x}, {"y", y}});
+    ddpkit::test::save_tensors(tmp / "io.pt", {{"x", x}, {"y", y}});
     std::ofstream(tmp / "check.py") << R"PY(
 import sys, torch, torchvision
 d = sys.argv[1]

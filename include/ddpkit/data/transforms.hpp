@@ -118,9 +118,10 @@ struct ColorJitterOptions {
 namespace detail {
 
 /// Per image, the affine colour map `x -> M x + t` (M: N×3×3, t: N×3) of
-/// brightness, contrast, saturation and hue applied in a random order per
-/// image (as torchvision draws the order per call). The input is raw uint8
-/// values, so M starts as I/255.
+/// brightness `b`, contrast `c`, saturation `s` (factors, 1: unchanged) and
+/// hue `h` (a shift in turns, 0: unchanged), applied in the order `order`
+/// (N×4, a permutation of 0..3 per image: brightness, contrast, saturation,
+/// hue). The input is raw uint8 values, so M starts as I/255.
 ///
 /// Why affine: brightness and saturation are linear, contrast blends with
 /// the image's mean grey (linear in the image's mean RGB, which is tracked
@@ -128,34 +129,33 @@ namespace detail {
 /// NVIDIA DALI does) rather than torchvision's HSV shift. Composing them
 /// costs a few 3×3 products per image and one pass over the pixels, which is
 /// what makes batched jitter fast; the price is that torchvision's clamp
-/// after every step becomes one clamp at the end.
-inline std::pair<torch::Tensor, torch::Tensor> jitter_affine(
-    const torch::Tensor& mean_rgb /* N×3, raw units */,
-    const ColorJitterOptions& o, torch::Generator& gen) {
+/// after every step becomes one clamp at the end. Brightness, contrast and
+/// saturation alone equal torchvision's `adjust_*` (grey =
+/// 0.2989 R + 0.587 G + 0.114 B, as torchvision's); hue alone turns hues the
+/// same way by about the same amount (measured against `adjust_hue` in
+/// data_test "colour jitter follows torchvision's definitions"), but keeps
+/// luma where HSV keeps the largest channel, so pixels differ.
+inline std::pair<torch::Tensor, torch::Tensor> jitter_affine_with(
+    const torch::Tensor& mean_rgb /* N×3, raw units */, const torch::Tensor& b,
+    const torch::Tensor& c, const torch::Tensor& s, const torch::Tensor& h,
+    const torch::Tensor& order) {
   const auto n = mean_rgb.size(0);
   auto f32 = torch::TensorOptions(torch::kFloat);
   auto eye = torch::eye(3, f32).expand({n, 3, 3});
   auto M = (eye / 255.0f).contiguous();
   auto t = torch::zeros({n, 3}, f32);
-  auto w = torch::tensor({0.299f, 0.587f, 0.114f});
-  auto factor = [&](float v) {
-    float lo = std::max(0.0f, 1.0f - v), hi = 1.0f + v;
-    return torch::rand({n}, gen) * (hi - lo) + lo;
-  };
-  auto b = factor(o.brightness()), c = factor(o.contrast()),
-       s = factor(o.saturation());
-  auto h = (torch::rand({n}, gen) * 2.0f - 1.0f) * o.hue();
-  auto order = std::get<1>(torch::rand({n, 4}, gen).sort(/*dim=*/1));
+  auto w = torch::tensor({0.2989f, 0.587f, 0.114f});
 
   // Saturation: s I + (1 - s) 1 wᵀ.
   auto S = s.view({n, 1, 1}) * eye +
            (1.0f - s).view({n, 1, 1}) * torch::ones({3, 1}).mm(w.view({1, 3}));
-  // Hue: YIQ⁻¹ · R(θ) · YIQ.
+  // Hue: YIQ⁻¹ · R(-θ) · YIQ. The minus: HSV hue runs red, green, blue,
+  // which is clockwise in the I-Q plane.
   auto yiq = torch::tensor({{0.299f, 0.587f, 0.114f},
                             {0.596f, -0.274f, -0.322f},
                             {0.211f, -0.523f, 0.312f}});
   auto yiq_inv = torch::inverse(yiq);
-  auto theta = h * (2.0f * static_cast<float>(M_PI));
+  auto theta = h * (-2.0f * static_cast<float>(M_PI));
   auto cos_t = theta.cos(), sin_t = theta.sin();
   auto R = torch::zeros({n, 3, 3}, f32);
   R.select(1, 0).select(1, 0).fill_(1.0f);
@@ -186,6 +186,23 @@ inline std::pair<torch::Tensor, torch::Tensor> jitter_affine(
                                   torch::where(sel(2).view({n, 1}), ts, th)));
   }
   return {M, t};
+}
+
+/// `jitter_affine_with` at factors drawn as torchvision's `ColorJitter`
+/// draws them (a random order per image, as torchvision draws it per call).
+inline std::pair<torch::Tensor, torch::Tensor> jitter_affine(
+    const torch::Tensor& mean_rgb /* N×3, raw units */,
+    const ColorJitterOptions& o, torch::Generator& gen) {
+  const auto n = mean_rgb.size(0);
+  auto factor = [&](float v) {
+    float lo = std::max(0.0f, 1.0f - v), hi = 1.0f + v;
+    return torch::rand({n}, gen) * (hi - lo) + lo;
+  };
+  auto b = factor(o.brightness()), c = factor(o.contrast()),
+       s = factor(o.saturation());
+  auto h = (torch::rand({n}, gen) * 2.0f - 1.0f) * o.hue();
+  auto order = std::get<1>(torch::rand({n, 4}, gen).sort(/*dim=*/1));
+  return jitter_affine_with(mean_rgb, b, c, s, h, order);
 }
 
 inline torch::Tensor rgb_tensor(const Rgb& v) {
