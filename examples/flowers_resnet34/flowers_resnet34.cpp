@@ -66,6 +66,10 @@ int main(int argc, char** argv) {
          "state dict to start from (tensors of another shape are skipped)")
       ->check(CLI::ExistingFile);
   app.add_flag("--freeze-layers", freeze_layers, "train only fc");
+  bool no_augment = false;
+  app.add_flag("--no-augment", no_augment,
+               "train on the evaluation transform (resize, centre crop): no "
+               "random crop or flip");
   app.add_option(
          "--synthetic-per-class", synthetic_per_class,
          "images per class of the generated folder when --data is not given")
@@ -179,7 +183,7 @@ int main(int argc, char** argv) {
         auto loader =
             ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
         ddpkit::data::ImageNetTrain train_tf;
-        train_tf.options.size(image_size);
+        train_tf.options.size(image_size).augment(!no_augment);
         ddpkit::data::ImageNetEval eval_tf;
         eval_tf.size = image_size;
         auto result =

@@ -706,6 +706,10 @@ struct ImageNetTrainOptions {
   /// upsampling (`JpegDecodeOptions::fast`): faster, a few levels off
   /// libjpeg's default (PIL's) decode.
   TORCH_ARG(bool, fast_decode) = false;
+  /// false: no random crop or flip, the evaluation transform instead
+  /// (`ImageNetEval`: resize to size·256/224, centre crop): training without
+  /// augmentation, deterministic whatever the rank or the generator.
+  TORCH_ARG(bool, augment) = true;
 };
 
 namespace detail {
@@ -745,42 +749,7 @@ struct ImageNetTrain {
   ImageNetTrainOptions options{};
 
   torch::Tensor operator()(const ImageBatch& images,
-                           torch::Generator& gen) const {
-    const auto& o = options;
-    const auto n = static_cast<int64_t>(images.size());
-    const int64_t S = o.size();
-    auto u = torch::rand({n, 40}, gen);
-    auto flip = torch::rand({n}, gen) < o.flip();
-    auto out = torch::empty({n, 3, S, S});
-    const float* pu = u.data_ptr<float>();
-    const bool* pf = flip.data_ptr<bool>();
-    float* po = out.data_ptr<float>();
-    auto& buf = detail::decode_buffer();
-    for (int64_t k = 0; k < n; ++k) {
-      const auto& it = images.items()[static_cast<std::size_t>(k)];
-      float* dst = po + k * 3 * S * S;
-      detail::HwcImage pre;
-      const auto size = detail::item_size(it, buf, pre);
-      const auto box = random_resized_crop_box(
-          size.height, size.width, o.scale(), o.ratio(), pu + k * 40);
-      if (it.decoded() && it.image.scalar_type() != torch::kUInt8) {
-        auto crop = it.image.narrow(1, box.top, box.height)
-                        .narrow(2, box.left, box.width);
-        detail::store_normalized(resize_image(crop, S, S), pf[k], o.mean(),
-                                 o.std(), dst);
-        continue;
-      }
-      const auto px = detail::item_pixels(
-          it, size, static_cast<double>(std::min(box.height, box.width)),
-          static_cast<double>(S), o.fast_decode(), buf, pre, &box);
-      const double s = px.scale;
-      resample_normalize(px.data, px.height, px.width, px.row_bytes(),
-                         box.top * s - px.top, box.left * s - px.left,
-                         box.height * s, box.width * s, S, S, pf[k], o.mean(),
-                         o.std(), dst);
-    }
-    return out;
-  }
+                           torch::Generator& gen) const;
   torch::Tensor operator()(const std::vector<torch::Tensor>& images,
                            torch::Generator& gen) const {
     return (*this)(ImageBatch(images), gen);
@@ -792,6 +761,7 @@ struct ImageNetTrain {
                    gen);
   }
 };
+
 
 /// torchvision's `Resize(size * 256 / 224)` + `CenterCrop(size)` +
 /// normalise: the evaluation transform of the flowers/ImageNet recipe, as
@@ -852,5 +822,47 @@ struct ImageNetEval {
                    gen);
   }
 };
+
+inline torch::Tensor ImageNetTrain::operator()(const ImageBatch& images,
+                                              torch::Generator& gen) const {
+  const auto& o = options;
+  if (!o.augment()) {
+    return ImageNetEval{o.size(), o.mean(), o.std(), o.fast_decode()}(images,
+                                                                     gen);
+  }
+  const auto n = static_cast<int64_t>(images.size());
+  const int64_t S = o.size();
+  auto u = torch::rand({n, 40}, gen);
+  auto flip = torch::rand({n}, gen) < o.flip();
+  auto out = torch::empty({n, 3, S, S});
+  const float* pu = u.data_ptr<float>();
+  const bool* pf = flip.data_ptr<bool>();
+  float* po = out.data_ptr<float>();
+  auto& buf = detail::decode_buffer();
+  for (int64_t k = 0; k < n; ++k) {
+    const auto& it = images.items()[static_cast<std::size_t>(k)];
+    float* dst = po + k * 3 * S * S;
+    detail::HwcImage pre;
+    const auto size = detail::item_size(it, buf, pre);
+    const auto box = random_resized_crop_box(
+        size.height, size.width, o.scale(), o.ratio(), pu + k * 40);
+    if (it.decoded() && it.image.scalar_type() != torch::kUInt8) {
+      auto crop = it.image.narrow(1, box.top, box.height)
+                      .narrow(2, box.left, box.width);
+      detail::store_normalized(resize_image(crop, S, S), pf[k], o.mean(),
+                               o.std(), dst);
+      continue;
+    }
+    const auto px = detail::item_pixels(
+        it, size, static_cast<double>(std::min(box.height, box.width)),
+        static_cast<double>(S), o.fast_decode(), buf, pre, &box);
+    const double s = px.scale;
+    resample_normalize(px.data, px.height, px.width, px.row_bytes(),
+                       box.top * s - px.top, box.left * s - px.left,
+                       box.height * s, box.width * s, S, S, pf[k], o.mean(),
+                       o.std(), dst);
+  }
+  return out;
+}
 
 }  // namespace ddpkit::data
