@@ -9,6 +9,9 @@
 #include <thread>
 
 #include "../support.hpp"
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 using namespace ddpkit;
 using ddpkit::test::run_workers;
@@ -336,6 +339,26 @@ TEST_SUITE("dist") {
     return 0;
   }
 
+  // Rank 1 stays alive but never joins the all-reduce: rank 0 fails after
+  // the collective timeout (DDPKIT_COLLECTIVE_TIMEOUT=2 s here), naming the
+  // operation, instead of waiting forever.
+  DDPKIT_WORKER(collective_never_completes) {
+    auto g = ddpkit::test::worker_group();
+    dist::barrier(g);
+    if (g.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      return 0;
+    }
+    try {
+      auto t = torch::ones({1000});
+      dist::all_reduce(g, t);
+    } catch (const PeerFailure& e) {
+      std::ofstream(ddpkit::test::worker_dir() / "error0") << e.what();
+      return 4;
+    }
+    return 0;
+  }
+
   namespace {
   bool process_alive(int pid) {
     return ::kill(pid, 0) == 0;
@@ -382,6 +405,94 @@ TEST_SUITE("dist") {
       CHECK(res.message.find("killed by signal 9") != std::string::npos);
       CHECK(secs < 10);
       CHECK(no_survivors(dir, 4));
+    }
+  }
+
+  DDPKIT_WORKER(write_pid_and_sleep) {
+    std::ofstream(ddpkit::test::worker_dir() /
+                  ("pid" + std::string(std::getenv("RANK"))))
+        << ::getpid();
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+
+  // The launcher whose process the next case kills.
+  TEST_CASE("launcher victim" *
+            doctest::skip(std::getenv("DDPKIT_TEST_VICTIM_DIR") == nullptr)) {
+    run_workers("write_pid_and_sleep", 2,
+                std::getenv("DDPKIT_TEST_VICTIM_DIR"));
+  }
+
+  TEST_CASE("the launcher killed with SIGKILL: its ranks die with it") {
+    TempDir dir;
+    const auto exe = std::filesystem::read_symlink("/proc/self/exe").string();
+    std::vector<std::string> env_s;
+    for (char** e = environ; *e != nullptr; ++e) env_s.emplace_back(*e);
+    env_s.push_back("DDPKIT_TEST_VICTIM_DIR=" + dir.str());
+    std::vector<char*> envp;
+    for (auto& e : env_s) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    std::string a0 = exe, a1 = "--test-case=launcher victim";
+    char* argv[] = {a0.data(), a1.data(), nullptr};
+    pid_t launcher = 0;
+    REQUIRE(::posix_spawn(&launcher, exe.c_str(), nullptr, nullptr, argv,
+                          envp.data()) == 0);
+    // Both ranks running.
+    std::vector<int> pids;
+    for (int i = 0; i < 300 && pids.size() < 2; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      pids.clear();
+      for (int r = 0; r < 2; ++r) {
+        std::ifstream in(dir / ("pid" + std::to_string(r)));
+        int pid = 0;
+        if (in >> pid && pid > 0) pids.push_back(pid);
+      }
+    }
+    REQUIRE(pids.size() == 2);
+    ::kill(launcher, SIGKILL);
+    ::waitpid(launcher, nullptr, 0);
+    // Gone (or a zombie nobody reaped yet) within 5 s.
+    auto gone = [](int pid) {
+      if (::kill(pid, 0) != 0) return true;
+      std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+      std::string line;
+      std::getline(stat, line);
+      const auto close = line.rfind(')');
+      return close == std::string::npos || line.substr(close + 2, 1) == "Z";
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    bool all_gone = false;
+    while (!all_gone && std::chrono::steady_clock::now() - t0 <
+                            std::chrono::seconds(5)) {
+      all_gone = gone(pids[0]) && gone(pids[1]);
+      if (!all_gone) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    MESSAGE("ranks gone ",
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                .count(),
+            " s after the launcher was killed");
+    CHECK(all_gone);
+    for (int pid : pids) {
+      if (!gone(pid)) ::kill(pid, SIGKILL);  // leave nothing behind
+    }
+  }
+
+  TEST_CASE("a collective that never completes fails after the timeout") {
+    for (std::string shm : {"1", "0"}) {
+      CAPTURE(shm);  // through shared memory, and over gloo
+      TempDir dir;
+      auto [res, secs] = test::timed_run_workers(
+          "collective_never_completes", 2, dir.str(),
+          {{"DDPKIT_COLLECTIVE_TIMEOUT", "2"}, {"DDPKIT_SHM", shm}});
+      MESSAGE("DDPKIT_SHM=", shm, ": launcher returned after ", secs, " s");
+      CHECK(res.exit_code == 4);
+      std::ifstream in(dir / "error0");
+      std::string msg((std::istreambuf_iterator<char>(in)), {});
+      CAPTURE(msg);
+      CHECK(msg.find("all_reduce") != std::string::npos);
+      CHECK(msg.find("timed out after 2 s") != std::string::npos);
+      CHECK(secs >= 2);
+      CHECK(secs < 20);
     }
   }
 

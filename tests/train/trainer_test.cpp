@@ -494,6 +494,25 @@ DDPKIT_WORKER(uneven_inputs) {
   return 0;
 }
 
+DDPKIT_WORKER(dataset_size_mismatch) {
+  auto g = test::worker_group();
+  // Rank 1 read a dataset of another size (e.g. a folder still being
+  // copied): said before epoch 1, on every rank.
+  auto d = make_data(g.rank() == 1 ? 80 : 96, 10);
+  Trainer<TinyNet, DDP, data::DistributedSampling, PlainBN> trainer(
+      TinyNet(), adam(),
+      base_options(test::worker_dir() / "out", 1).verbose(false), g);
+  try {
+    trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                data::LoaderOptions(16).workers(0));
+  } catch (const UsageError& e) {
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank())))
+        << e.what();
+    return 2;
+  }
+  return 0;
+}
+
 DDPKIT_WORKER(world_size_mismatch) {
   auto env = dist::read_env();
   if (env.rank == 1) env.world_size = 3;  // as if its WORLD_SIZE were 3
@@ -520,6 +539,25 @@ TEST_SUITE("train") {
       CHECK(msg.find("rank 1 has 2 batches but rank 0 has 1") !=
             std::string::npos);
     }
+  }
+
+  TEST_CASE("datasets of different sizes across ranks fail before epoch 1") {
+    TempDir dir;
+    auto [res, secs] =
+        test::timed_run_workers("dataset_size_mismatch", 2, dir.str());
+    CHECK(res.exit_code == 2);
+    CHECK(secs < 10);
+    const auto n1 = make_data(80, 10).train.size(),
+               n0 = make_data(96, 10).train.size();
+    for (int r = 0; r < 2; ++r) {
+      auto msg = read_file(dir / ("error" + std::to_string(r)));
+      CAPTURE(msg);
+      CHECK(msg.find("rank 1 has " + std::to_string(n1) +
+                     " training samples but rank 0 has " +
+                     std::to_string(n0)) != std::string::npos);
+    }
+    // Nothing trained: no checkpoint was written.
+    CHECK_FALSE(std::filesystem::exists(dir / "out" / "checkpoints" / "last.pt"));
   }
 
   TEST_CASE("ranks started with different world sizes fail at start-up") {

@@ -158,8 +158,10 @@ class Group {
       auto prefixed =
           compat::make_prefix_store("ddpkit/default_pg/shm", g.store_);
       try {
+        // A collective through the channel waits as long as one over gloo
+        // (the collective timeout, not the rendezvous one).
         g.shm_ = ShmChannel::connect(prefixed, env.rank, env.world_size,
-                                     rdv_timeout);
+                                     coll_timeout);
       } catch (const c10::Error& e) {
         std::string what = e.what_without_backtrace();
         throw DistError(ddpkit::detail::cat(

@@ -196,7 +196,9 @@ class ShmChannel {
   static constexpr int64_t kSlotBytes = 2 << 20;
 
   /// Collective over `store`: returns null on every rank unless every rank
-  /// is on this host and could map the segment.
+  /// is on this host and could map the segment. `timeout`: how long one
+  /// collective through the channel waits for the others (the group's
+  /// collective timeout).
   static std::shared_ptr<ShmChannel> connect(
       const compat::StorePtr& store, int rank, int world,
       std::chrono::milliseconds timeout) {
