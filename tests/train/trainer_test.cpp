@@ -112,7 +112,71 @@ DDPKIT_WORKER(trainer_ddp_run) {
   return 0;
 }
 
+/// A DDP run at world 2 under the LR scaling `Scaling`: writes, per rank,
+/// every epoch's metrics at full precision (they must be identical on every
+/// rank) and whether every BN module was synchronised at construction.
+template <class Scaling>
+int trainer_scaling_run() {
+  auto g = test::worker_group();
+  torch::manual_seed(g.rank());
+  auto d = make_data(64, 20);
+  DDPTrainer<TinyNet, SyncBN, Scaling> trainer(
+      TinyNet(), adam(),
+      base_options(test::worker_dir() / "out", 2).lr(0.01).verbose(false), g);
+  int bn = 0, synced = 0;
+  for (auto& m : trainer.model()->modules()) {
+    if (auto* b = dynamic_cast<nn::BatchNorm2dImpl*>(m.get())) {
+      ++bn;
+      synced += b->is_synchronized();
+    }
+  }
+  auto r = trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                       data::LoaderOptions(16).workers(0));
+  std::ofstream f(test::worker_dir() / ("history" + std::to_string(g.rank())));
+  f.precision(17);
+  f << "bn " << bn << " synchronised " << synced << "\n";
+  for (const auto& e : r.history) {
+    f << e.epoch << " train_loss " << e.train_loss << " train_acc "
+      << e.train_acc << " val_loss " << e.val_loss << " val_acc " << e.val_acc
+      << " lr " << e.lr << "\n";
+  }
+  return 0;
+}
+
+DDPKIT_WORKER(trainer_scaling) {
+  const std::string s = std::getenv("T_SCALING") ? std::getenv("T_SCALING") : "";
+  return s == "sqrt" ? trainer_scaling_run<SqrtScaling>()
+                     : trainer_scaling_run<LinearScaling>();
+}
+
 TEST_SUITE("train") {
+  TEST_CASE(
+      "DDP at world 2: lr scaled by the policy, identical metrics on every "
+      "rank, every BN synchronised") {
+    for (std::string scaling : {"linear", "sqrt"}) {
+      CAPTURE(scaling);
+      TempDir dir;
+      REQUIRE(run_workers("trainer_scaling", 2, dir.str(),
+                          {{"T_SCALING", scaling}})
+                  .ok());
+      const auto h0 = read_file(dir / "history0"),
+                 h1 = read_file(dir / "history1");
+      MESSAGE(h0);
+      CHECK(h0 == h1);  // train and validation metrics, bit for bit
+      CHECK(h0.find("bn 1 synchronised 1\n") == 0);
+      // The lr column of metrics.jsonl: 0.01 x 2, or x sqrt(2).
+      const double want = scaling == "sqrt" ? 0.01 * std::sqrt(2.0) : 0.02;
+      const auto jsonl = read_file(dir / "out" / "metrics.jsonl");
+      int rows = 0;
+      for (std::size_t at = jsonl.find("\"lr\":"); at != std::string::npos;
+           at = jsonl.find("\"lr\":", at + 1)) {
+        CHECK(std::stod(jsonl.substr(at + 5)) == doctest::Approx(want).epsilon(1e-9));
+        ++rows;
+      }
+      CHECK(rows == 2);
+    }
+  }
+
   TEST_CASE("DDP training at 2 ranks: one set of outputs, each log line once") {
     TempDir dir;
     REQUIRE(run_workers("trainer_ddp_run", 2, dir.str()).ok());
