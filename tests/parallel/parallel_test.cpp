@@ -226,6 +226,80 @@ DDPKIT_WORKER(unused_params) {
   return ok ? 0 : 6;
 }
 
+/// Tied weights: `tied` is `first`'s weight registered a second time, under
+/// another name, and used twice in forward (what weight tying in language
+/// models does).
+struct TiedNetImpl : torch::nn::Cloneable<TiedNetImpl> {
+  TiedNetImpl() {
+    reset();
+  }
+  void reset() override {
+    first = register_module("first", torch::nn::Linear(6, 6));
+    tied = register_parameter("tied", first->weight);
+    head = register_module("head", torch::nn::Linear(6, 5));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x.mean({2, 3}).repeat({1, 2});  // N x 6
+    x = torch::tanh(first(x));
+    x = torch::tanh(torch::nn::functional::linear(x, tied));
+    return head(x);
+  }
+  torch::nn::Linear first{nullptr}, head{nullptr};
+  torch::Tensor tied;
+};
+TORCH_MODULE(TiedNet);
+
+TiedNet make_tied(uint64_t seed) {
+  torch::manual_seed(seed);
+  return TiedNet();
+}
+
+/// SGD steps on the tied net: one process on the joined batch, or DDP.
+void train_tied(TiedNet& net, int steps, int world, int rank,
+                parallel::DDP::engine<TiedNet>* eng) {
+  // Each tensor once (libtorch's parameters() lists a tied one twice, and
+  // an optimizer given it twice would step it twice).
+  std::vector<torch::Tensor> unique;
+  for (auto& p : net->parameters()) {
+    bool seen = false;
+    for (auto& u : unique) seen |= u.is_same(p);
+    if (!seen) unique.push_back(p);
+  }
+  torch::optim::SGD opt(unique, torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = test::global_batch(s, world * kPerRank);
+    if (eng) {
+      x = x.narrow(0, rank * kPerRank, kPerRank);
+      y = y.narrow(0, rank * kPerRank, kPerRank);
+    }
+    opt.zero_grad();
+    if (eng) {
+      eng->forward_backward(x, y, test::ce_loss);
+    } else {
+      test::ce_loss(net->forward(x), y).backward();
+    }
+    opt.step();
+  }
+}
+
+DDPKIT_WORKER(tied_weights) {
+  auto g = test::worker_group();
+  auto net = make_tied(40 + g.rank());
+  parallel::DDP::engine<TiedNet> eng(net, g, parallel::DDPOptions(),
+                                     torch::kCPU);
+  // Four tensors under five names: one slot, one hook each.
+  if (eng.reducer()->num_parameters() != 4) {
+    std::fprintf(stderr, "rank %d: the reducer holds %zu parameters, want 4\n",
+                 g.rank(), eng.reducer()->num_parameters());
+    return 8;
+  }
+  train_tied(net, kSteps, g.size(), g.rank(), &eng);
+  torch::save(net, (test::worker_dir() /
+                    ("tied" + std::to_string(g.rank()) + ".pt"))
+                       .string());
+  return 0;
+}
+
 DDPKIT_WORKER(mismatched_models) {
   auto g = test::worker_group();
   // Rank 1 builds the model with BatchNorm, rank 0 without.
@@ -495,6 +569,25 @@ TEST_SUITE("parallel") {
     CHECK(msg.find("find_unused_parameters") != std::string::npos);
     TempDir dir2;
     CHECK(run_workers("unused_params", 2, dir2.str(), {{"T_FIND", "1"}}).ok());
+  }
+
+  TEST_CASE("DDP: tied weights get one slot and equal one process") {
+    auto ref = make_tied(40);
+    REQUIRE(ref->named_parameters().size() == 5);
+    REQUIRE(ref->parameters().size() == 5);  // libtorch lists it twice
+    train_tied(ref, kSteps, 2, 0, nullptr);
+    TempDir dir;
+    auto res = run_workers("tied_weights", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    for (int r = 0; r < 2; ++r) {
+      auto net = make_tied(0);
+      torch::load(net, (dir / ("tied" + std::to_string(r) + ".pt")).string());
+      CHECK(net->tied.data_ptr() == net->first->weight.data_ptr());
+      double d = test::max_state_diff(*net, *ref);
+      MESSAGE("tied weights, rank ", r, ": max relative difference ", d);
+      CHECK(d <= 1e-5);
+    }
   }
 
   TEST_CASE("DDP: models that differ across ranks fail at construction") {

@@ -108,9 +108,22 @@ class Reducer {
       : group_(std::move(group)), opts_(opts), trace_(trace) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (!params[i].requires_grad()) continue;
+      std::string name =
+          i < names.size() ? names[i] : "parameter " + std::to_string(i);
+      // A tensor registered under several names (tied weights) has one
+      // gradient accumulator: one slot and one hook, as PyTorch's reducer
+      // de-duplicates. Its name lists the others.
+      auto same = std::find_if(params_.begin(), params_.end(),
+                               [&](const torch::Tensor& p) {
+                                 return p.is_same(params[i]);
+                               });
+      if (same != params_.end()) {
+        names_[static_cast<std::size_t>(same - params_.begin())] +=
+            " (also " + name + ")";
+        continue;
+      }
       params_.push_back(params[i]);
-      names_.push_back(i < names.size() ? names[i]
-                                        : "parameter " + std::to_string(i));
+      names_.push_back(std::move(name));
     }
     build_buckets();
     adopt_existing_grads();
