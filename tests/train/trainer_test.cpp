@@ -541,10 +541,12 @@ struct CountingHooks {
 
 }  // namespace
 
-DDPKIT_WORKER(uneven_inputs) {
-  auto g = test::worker_group();
-  auto d = make_data(96, 10);
-  Trainer<TinyNet, DDP, UnevenSampling, PlainBN> trainer(
+/// One epoch of DDP training with `Sampler` on `n_train` samples: 0, or 2
+/// with the UsageError written to DIR/error<rank>.
+template <class Sampler>
+int fit_or_write_usage_error(const dist::Group& g, std::size_t n_train) {
+  auto d = make_data(n_train, 10);
+  Trainer<TinyNet, DDP, Sampler, PlainBN> trainer(
       TinyNet(), adam(),
       base_options(test::worker_dir() / "out", 1).verbose(false), g);
   try {
@@ -558,23 +560,17 @@ DDPKIT_WORKER(uneven_inputs) {
   return 0;
 }
 
+DDPKIT_WORKER(uneven_inputs) {
+  auto g = test::worker_group();
+  return fit_or_write_usage_error<UnevenSampling>(g, 96);
+}
+
 DDPKIT_WORKER(dataset_size_mismatch) {
   auto g = test::worker_group();
   // Rank 1 read a dataset of another size (e.g. a folder still being
   // copied): said before epoch 1, on every rank.
-  auto d = make_data(g.rank() == 1 ? 80 : 96, 10);
-  Trainer<TinyNet, DDP, data::DistributedSampling, PlainBN> trainer(
-      TinyNet(), adam(),
-      base_options(test::worker_dir() / "out", 1).verbose(false), g);
-  try {
-    trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
-                data::LoaderOptions(16).workers(0));
-  } catch (const UsageError& e) {
-    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank())))
-        << e.what();
-    return 2;
-  }
-  return 0;
+  return fit_or_write_usage_error<data::DistributedSampling>(
+      g, g.rank() == 1 ? 80 : 96);
 }
 
 DDPKIT_WORKER(world_size_mismatch) {
