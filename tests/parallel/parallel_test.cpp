@@ -300,6 +300,194 @@ DDPKIT_WORKER(tied_weights) {
   return 0;
 }
 
+/// Identity in forward; its backward throws while `g_throw_in_backward` is
+/// set: a custom op failing in the middle of backward, after the buckets of
+/// the layers above it have started their all-reduces.
+bool g_throw_in_backward = false;
+struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*,
+                               torch::Tensor x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    if (g_throw_in_backward) throw std::runtime_error("injected failure");
+    return {g[0]};
+  }
+};
+
+/// Identity in forward; its backward runs a nested (reentrant) backward
+/// through parameter `w`, as reentrant activation checkpointing does, so
+/// `w`'s gradient is accumulated a second time in the same backward.
+struct ReenterThrough : torch::autograd::Function<ReenterThrough> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
+                               torch::Tensor x, torch::Tensor w) {
+    ctx->saved_data["w"] = w;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list g) {
+    auto w = ctx->saved_data["w"].toTensor();
+    torch::AutoGradMode on(true);
+    torch::autograd::backward({(w * w).sum() * 1e-3});
+    return {g[0], torch::Tensor()};
+  }
+};
+
+/// fc1 → [failing op | reentrant op] → fc2 → fc3.
+struct ChainNetImpl : torch::nn::Cloneable<ChainNetImpl> {
+  explicit ChainNetImpl(bool reenter = false) : reenter(reenter) {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(12, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 16));
+    fc3 = register_module("fc3", torch::nn::Linear(16, 5));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::tanh(fc1(x.mean({2, 3}).repeat({1, 4})));
+    x = reenter ? ReenterThrough::apply(x, fc2->weight)
+                : ThrowInBackward::apply(x);
+    return fc3(torch::tanh(fc2(x)));
+  }
+  bool reenter;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+TORCH_MODULE(ChainNet);
+
+ChainNet make_chain(uint64_t seed, bool reenter = false) {
+  torch::manual_seed(seed);
+  return ChainNet(reenter);
+}
+
+constexpr int kFailingStep = 2;
+
+/// One parameter per bucket, so the buckets of fc3 and fc2 are in flight
+/// when the op below them throws.
+parallel::ReducerOptions one_param_buckets() {
+  return parallel::ReducerOptions()
+      .bucket_cap_bytes(1)
+      .first_bucket_cap_bytes(1)
+      .last_bucket_cap_bytes(1);
+}
+
+/// The chain trained without step kFailingStep: one process on the joined
+/// batches (reference) or one rank's part through `step`.
+void train_chain_skipping(
+    ChainNet& net, int world, int rank, bool distributed,
+    const std::function<bool(int, const torch::Tensor&, const torch::Tensor&)>&
+        step) {
+  torch::optim::SGD opt(net->parameters(),
+                        torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = test::global_batch(s, world * kPerRank);
+    if (distributed) {
+      x = x.narrow(0, rank * kPerRank, kPerRank);
+      y = y.narrow(0, rank * kPerRank, kPerRank);
+    }
+    opt.zero_grad();
+    if (step(s, x, y)) opt.step();
+  }
+}
+
+/// A backward that throws at step kFailingStep on every rank; the loop
+/// catches it, skips the batch and goes on. T_MODE=engine: through the DDP
+/// engine. T_MODE=direct: the Reducer alone; the next backward must be
+/// refused until prepare_for_backward() is called.
+DDPKIT_WORKER(abandoned_step) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  const auto mode = env_or("T_MODE", "engine");
+  auto net = make_chain(60);
+  parallel::DDPOptions opts;
+  opts.reducer(one_param_buckets());
+  std::unique_ptr<parallel::DDP::engine<ChainNet>> eng;
+  std::unique_ptr<parallel::Reducer<>> reducer;
+  if (mode == "engine") {
+    eng = std::make_unique<parallel::DDP::engine<ChainNet>>(net, g, opts,
+                                                            torch::kCPU);
+  } else {
+    std::vector<torch::Tensor> params;
+    std::vector<std::string> names;
+    for (auto& p : net->named_parameters()) {
+      names.push_back(p.key());
+      params.push_back(p.value());
+    }
+    reducer = std::make_unique<parallel::Reducer<>>(params, names, g,
+                                                    one_param_buckets());
+  }
+  auto* red = eng ? eng->reducer() : reducer.get();
+  int failures = 0;
+  std::string refused;
+  auto step = [&](int s, const torch::Tensor& x, const torch::Tensor& y) {
+    g_throw_in_backward = s == kFailingStep;
+    try {
+      if (eng) {
+        eng->forward_backward(x, y, test::ce_loss);
+      } else {
+        test::ce_loss(net->forward(x), y).backward();
+      }
+    } catch (const std::exception&) {
+      ++failures;
+      return false;  // skip this batch
+    }
+    return true;
+  };
+  auto guarded = [&](int s, const torch::Tensor& x, const torch::Tensor& y) {
+    if (reducer && s == kFailingStep + 1) {
+      // The step after the failure, without prepare_for_backward: refused.
+      g_throw_in_backward = false;
+      net->zero_grad();
+      try {
+        test::ce_loss(net->forward(x), y).backward();
+        refused = "(the step after the failure was not refused)";
+      } catch (const std::exception& e) {
+        refused = e.what();
+      }
+      reducer->prepare_for_backward();
+      net->zero_grad();
+    }
+    return step(s, x, y);
+  };
+  train_chain_skipping(net, g.size(), r, true, guarded);
+  std::ofstream(test::worker_dir() / ("report" + std::to_string(r)))
+      << failures << " failure(s), " << red->abandoned_steps()
+      << " abandoned, " << red->buckets_in_flight() << " in flight\n"
+      << refused;
+  torch::save(net, (test::worker_dir() /
+                    ("chain" + std::to_string(r) + ".pt"))
+                       .string());
+  return 0;
+}
+
+/// A reentrant backward accumulates fc2.weight's gradient twice in one
+/// backward: an error naming it, and the next step runs normally.
+DDPKIT_WORKER(ready_twice) {
+  auto g = test::worker_group();
+  auto net = make_chain(61, /*reenter=*/true);
+  parallel::DDPOptions opts;
+  opts.reducer(one_param_buckets());
+  parallel::DDP::engine<ChainNet> eng(net, g, opts, torch::kCPU);
+  auto [x, y] = test::global_batch(0, kPerRank);
+  std::string msg = "(no error)";
+  try {
+    eng.forward_backward(x, y, test::ce_loss);
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  // Afterwards nothing is in flight, and a step without the reentrant op
+  // completes.
+  const auto in_flight = eng.reducer()->buckets_in_flight();
+  net->reenter = false;
+  eng.zero_grad();
+  eng.forward_backward(x, y, test::ce_loss);
+  std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank())))
+      << in_flight << " in flight\n"
+      << msg;
+  return 0;
+}
+
 DDPKIT_WORKER(mismatched_models) {
   auto g = test::worker_group();
   // Rank 1 builds the model with BatchNorm, rank 0 without.
@@ -587,6 +775,62 @@ TEST_SUITE("parallel") {
       double d = test::max_state_diff(*net, *ref);
       MESSAGE("tied weights, rank ", r, ": max relative difference ", d);
       CHECK(d <= 1e-5);
+    }
+  }
+
+  TEST_CASE(
+      "DDP: a backward that throws mid-step can be skipped; the run equals "
+      "one process that never saw that batch") {
+    auto ref = make_chain(60);
+    train_chain_skipping(ref, 2, 0, false,
+                         [&](int s, const torch::Tensor& x,
+                             const torch::Tensor& y) {
+                           if (s == kFailingStep) return false;
+                           test::ce_loss(ref->forward(x), y).backward();
+                           return true;
+                         });
+    for (std::string mode : {"engine", "direct"}) {
+      CAPTURE(mode);
+      TempDir dir;
+      auto res =
+          run_workers("abandoned_step", 2, dir.str(), {{"T_MODE", mode}});
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      for (int r = 0; r < 2; ++r) {
+        std::ifstream in(dir / ("report" + std::to_string(r)));
+        std::string first, rest;
+        std::getline(in, first);
+        rest.assign(std::istreambuf_iterator<char>(in), {});
+        MESSAGE(mode, " rank ", r, ": ", first, " | ", rest);
+        CHECK(first == "1 failure(s), 1 abandoned, 0 in flight");
+        if (mode == "direct") {
+          CHECK(rest.find("the previous step's reduction did not finish") !=
+                std::string::npos);
+          CHECK(rest.find("prepare_for_backward") != std::string::npos);
+        }
+        auto net = make_chain(0);
+        torch::load(net,
+                    (dir / ("chain" + std::to_string(r) + ".pt")).string());
+        double d = test::max_state_diff(*net, *ref);
+        MESSAGE(mode, " rank ", r, ": max relative difference ", d);
+        CHECK(d <= 1e-5);
+      }
+    }
+  }
+
+  TEST_CASE("DDP: a gradient marked ready twice in one backward is an error "
+            "naming it") {
+    TempDir dir;
+    auto res = run_workers("ready_twice", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(dir / ("error" + std::to_string(r)));
+      std::string msg((std::istreambuf_iterator<char>(in)), {});
+      MESSAGE("rank ", r, ": ", msg);
+      CHECK(msg.rfind("0 in flight\n", 0) == 0);
+      CHECK(msg.find("parameter fc2.weight was marked ready twice") !=
+            std::string::npos);
     }
   }
 

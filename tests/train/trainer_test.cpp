@@ -120,8 +120,12 @@ int trainer_scaling_run() {
   auto g = test::worker_group();
   torch::manual_seed(g.rank());
   auto d = make_data(64, 20);
+  // A channels_last weight: its gradient bucket view must keep its strides.
+  TinyNet net;
+  net->conv->weight.set_data(
+      net->conv->weight.contiguous(torch::MemoryFormat::ChannelsLast));
   DDPTrainer<TinyNet, SyncBN, Scaling> trainer(
-      TinyNet(), adam(),
+      net, adam(),
       base_options(test::worker_dir() / "out", 2).lr(0.01).verbose(false), g);
   int bn = 0, synced = 0;
   for (auto& m : trainer.model()->modules()) {
@@ -132,9 +136,29 @@ int trainer_scaling_run() {
   }
   auto r = trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
                        data::LoaderOptions(16).workers(0));
+  // After whole epochs (zeroing, steps, evaluation) every gradient is still
+  // a view into the reducer's buckets, with its parameter's strides, and
+  // none was ever copied back in (zeroing never set one to None).
+  int params = 0, views = 0, strides = 0;
+  for (auto& p : trainer.model()->parameters()) {
+    ++params;
+    const auto& grad = p.grad();
+    if (!grad.defined()) continue;
+    auto* at = static_cast<const char*>(grad.data_ptr());
+    for (const auto& b : trainer.engine().reducer()->buckets()) {
+      auto* lo = static_cast<const char*>(b.flat.data_ptr());
+      views += at >= lo && at < lo + b.flat.nbytes();
+    }
+    strides += grad.strides() == p.strides();
+  }
   std::ofstream f(test::worker_dir() / ("history" + std::to_string(g.rank())));
   f.precision(17);
   f << "bn " << bn << " synchronised " << synced << "\n";
+  f << "params " << params << " bucket views " << views << " strides kept "
+    << strides << " conv channels_last "
+    << trainer.model()->conv->weight.is_contiguous(
+           torch::MemoryFormat::ChannelsLast)
+    << " copied in " << trainer.engine().reducer()->gradient_copies() << "\n";
   for (const auto& e : r.history) {
     f << e.epoch << " train_loss " << e.train_loss << " train_acc "
       << e.train_acc << " val_loss " << e.val_loss << " val_acc " << e.val_acc
@@ -152,7 +176,8 @@ DDPKIT_WORKER(trainer_scaling) {
 TEST_SUITE("train") {
   TEST_CASE(
       "DDP at world 2: lr scaled by the policy, identical metrics on every "
-      "rank, every BN synchronised") {
+      "rank, every BN synchronised, gradients still bucket views with their "
+      "parameters' strides") {
     for (std::string scaling : {"linear", "sqrt"}) {
       CAPTURE(scaling);
       TempDir dir;
@@ -164,6 +189,8 @@ TEST_SUITE("train") {
       MESSAGE(h0);
       CHECK(h0 == h1);  // train and validation metrics, bit for bit
       CHECK(h0.find("bn 1 synchronised 1\n") == 0);
+      CHECK(h0.find("params 6 bucket views 6 strides kept 6 conv "
+                    "channels_last 1 copied in 0\n") != std::string::npos);
       // The lr column of metrics.jsonl: 0.01 x 2, or x sqrt(2).
       const double want = scaling == "sqrt" ? 0.01 * std::sqrt(2.0) : 0.02;
       const auto jsonl = read_file(dir / "out" / "metrics.jsonl");

@@ -104,7 +104,12 @@ struct BasicDDP {
       return trace_.get();
     }
 
+    /// Forward; before a backward (grad mode on) it also finishes a step an
+    /// earlier backward abandoned by throwing (see Reducer).
     torch::Tensor forward(const torch::Tensor& x) {
+      if (reducer_ && torch::GradMode::is_enabled()) {
+        reducer_->prepare_for_backward();
+      }
       if (opts_.broadcast_buffers() && as_module(model_).is_training()) {
         broadcast_coalesced(group_, as_module(model_).buffers(), 0);
       }
@@ -122,7 +127,14 @@ struct BasicDDP {
       }
       {
         Trace::Span span(*trace_or_null(), "backward + reduce");
-        loss.backward();
+        try {
+          loss.backward();
+        } catch (...) {
+          // A throwing backward (a failing op, a refused step) leaves no
+          // all-reduce in flight: the caller may skip this batch and go on.
+          if (reducer_) reducer_->abandon_step();
+          throw;
+        }
       }
       return {loss.detach(), out.detach()};
     }

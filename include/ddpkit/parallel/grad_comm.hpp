@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdio>
+#include <string>
 
 #include "ddpkit/dist/collectives.hpp"
 
@@ -18,7 +19,9 @@ namespace ddpkit::parallel {
 ///    flat, torch::Tensor& scratch)`: begin averaging `flat` (may use
 ///    `scratch`, which persists per bucket between steps);
 ///  - `static void finish(torch::Tensor& flat, torch::Tensor& scratch)`:
-///    after the work completed, leave the average in `flat`.
+///    after the work completed, leave the average in `flat`;
+///  - optionally `static void prepare(const dist::Group&)`: collective
+///    set-up, called once by the reducer's constructor on every rank.
 struct AllReduceMean {
   static constexpr const char* name = "allreduce_mean";
   static dist::compat::WorkPtr start(const dist::Group& g, torch::Tensor& flat,
@@ -31,24 +34,34 @@ struct AllReduceMean {
 namespace detail {
 
 /// Whether the group's backend can add `dtype` (gloo in libtorch 1.13
-/// cannot add bf16). Probed once per process with a one-element all-reduce;
-/// every rank probes at the same point, so the collective sequence stays
-/// aligned.
+/// cannot add bf16). Probed once per process with a one-element all-reduce,
+/// called by the reducer's constructor at the same point on every rank. A
+/// failed probe is followed by a float32 all-reduce: if that fails too, the
+/// group is broken (a peer died or timed out), which is reported as such,
+/// not taken for "cannot add".
 inline bool backend_sums(const dist::Group& g, c10::ScalarType dtype) {
   static std::array<int, 64> probed{};  // 0 unknown, 1 yes, 2 no
   int& known = probed[static_cast<std::size_t>(dtype) % probed.size()];
   if (known == 0) {
     auto t = torch::zeros({1}, torch::TensorOptions(dtype).device(g.device()));
+    std::string why;
     try {
       dist::all_reduce(g, t);
       known = 1;
-    } catch (const std::exception&) {
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    if (known == 0) {
+      auto f = torch::zeros({1}, torch::TensorOptions(torch::kFloat)
+                                     .device(g.device()));
+      dist::all_reduce(g, f);  // throws PeerFailure if the group is broken
       known = 2;
       if (g.is_main()) {
         std::fprintf(stderr,
-                     "ddpkit: this backend cannot all-reduce %s; the "
+                     "ddpkit: this backend cannot all-reduce %s (%s); the "
                      "gradients are rounded to it and sent as float32\n",
-                     c10::toString(dtype));
+                     c10::toString(dtype),
+                     why.substr(0, why.find('\n')).c_str());
       }
     }
   }
@@ -60,6 +73,10 @@ inline bool backend_sums(const dist::Group& g, c10::ScalarType dtype) {
 /// cast keeps sums of large gradients inside fp16's range.
 template <c10::ScalarType Dtype>
 struct CompressedAllReduce {
+  /// Called by the reducer's constructor on every rank.
+  static void prepare(const dist::Group& g) {
+    (void)backend_sums(g, Dtype);
+  }
   static dist::compat::WorkPtr start(const dist::Group& g, torch::Tensor& flat,
                                      torch::Tensor& scratch) {
     if (!backend_sums(g, Dtype)) {

@@ -5,13 +5,23 @@
 // straight into the buffer that is all-reduced (PyTorch's
 // `gradient_as_bucket_view`): no copy in, no write-back. A full bucket starts
 // its all-reduce at once, so communication overlaps the rest of backward.
+//
+// Each synchronised backward is one step: idle -> running (the first gradient
+// hook; it queues the end-of-backward callback) -> idle (the callback waited
+// for every bucket, or threw after waiting for them). A backward that
+// throws never reaches its callback: the engine then waits for the buckets
+// that step launched and resets (`abandon_step`), and a later step that finds
+// such leftovers either finishes them first (`prepare_for_backward`,
+// `zero_grad`) or is refused with an error, never run on top of them.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -127,6 +137,9 @@ class Reducer {
     }
     build_buckets();
     adopt_existing_grads();
+    // A strategy's collective set-up (e.g. a capability probe) runs here, at
+    // the same point on every rank, not inside the first backward.
+    if constexpr (requires { Comm::prepare(group_); }) Comm::prepare(group_);
     install_hooks();
   }
 
@@ -135,6 +148,10 @@ class Reducer {
 
   ~Reducer() {
     *target_ = nullptr;
+    try {
+      abandon_step();
+    } catch (...) {
+    }
     for (std::size_t i = 0; i < accumulators_.size(); ++i) {
       accumulators_[i]->del_post_hook(hook_keys_[i]);
     }
@@ -176,10 +193,54 @@ class Reducer {
   bool sync_enabled() const {
     return enabled_;
   }
+
+  /// Before a backward (the DDP engine calls it from forward, as PyTorch's
+  /// `prepare_for_backward`). If an earlier backward threw after launching
+  /// some buckets, waits for them (nothing stays in flight) and resets the
+  /// step; throws an `Error` ("the previous step's reduction did not
+  /// finish") if they fail. Without it, a backward that finds such a step
+  /// is refused with that error at its first gradient.
+  void prepare_for_backward() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finish_abandoned();
+  }
+
+  /// After a backward that threw (the DDP engine calls it): waits for the
+  /// buckets the step had launched, ignoring their errors (the backward's
+  /// own error is the one to report), and resets the step. Idempotent; a
+  /// no-op between steps.
+  void abandon_step() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (state_ == StepState::running && !callback_token_.expired()) {
+      return;  // a backward is running now (called from inside it)
+    }
+    (void)drain_and_reset();
+  }
+
+  /// Steps whose backward threw after the reducer had started them
+  /// (finished by `abandon_step`, `prepare_for_backward` or `zero_grad`).
+  std::size_t abandoned_steps() const {
+    return abandoned_steps_;
+  }
+  /// Gradients copied into their bucket because `.grad` was not the bucket
+  /// view (set to None or replaced, e.g. by an optimizer's `zero_grad`):
+  /// 0 when zeroing goes through `zero_grad` here.
+  std::size_t gradient_copies() const {
+    return gradient_copies_;
+  }
+  /// Buckets whose all-reduce was started and not yet waited for (0 between
+  /// steps, and after any exception the reducer threw).
+  std::size_t buckets_in_flight() const {
+    std::size_t n = 0;
+    for (const auto& b : buckets_) n += b.launched ? 1 : 0;
+    return n;
+  }
   /// Zeroes every gradient in place: one fill per bucket, and `.grad`
   /// stays the bucket view (an optimizer's `zero_grad` that sets gradients
   /// to None makes the next backward copy them back in).
   void zero_grad() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finish_abandoned();
     torch::NoGradGuard no_grad;
     for (auto& b : buckets_) b.flat.zero_();
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -298,9 +359,16 @@ class Reducer {
       for (std::size_t j = 0; j < b.params.size(); ++j) {
         const auto& p = params_[b.params[j]];
         // detach(): a plain alias of the bucket, not an autograd view, so
-        // optimizers may detach_() it in place like any gradient.
+        // optimizers may detach_() it in place like any gradient. The view
+        // has the parameter's strides (e.g. channels_last), as autograd
+        // would give its gradient; a parameter with gaps or overlaps gets
+        // a contiguous one.
+        auto slice = b.flat.narrow(0, b.offsets[j], p.numel());
         b.views.push_back(
-            b.flat.narrow(0, b.offsets[j], p.numel()).view(p.sizes()).detach());
+            (p.is_non_overlapping_and_dense()
+                 ? slice.as_strided(p.sizes(), p.strides())
+                 : slice.view(p.sizes()))
+                .detach());
       }
     }
   }
@@ -338,7 +406,44 @@ class Reducer {
       b.work.reset();
     }
     next_to_launch_ = 0;
-    callback_queued_ = false;
+    state_ = StepState::idle;
+    callback_token_.reset();
+  }
+
+  // A step is abandoned when it is running but the graph task that held
+  // its end-of-backward callback is gone (the callback's token expired):
+  // that backward threw, or another final callback before ours did.
+  bool step_abandoned() const {
+    return state_ == StepState::running && callback_token_.expired();
+  }
+
+  // Waits for every launched bucket, then resets. Returns the first
+  // failure's message (empty when every bucket completed).
+  std::string drain_and_reset() {
+    std::string error;
+    if (state_ == StepState::running) ++abandoned_steps_;
+    for (auto& b : buckets_) {
+      if (!b.launched || !b.work) continue;
+      try {
+        dist::detail::wait(group_, b.work, "gradient all-reduce");
+      } catch (const std::exception& e) {
+        if (error.empty()) error = e.what();
+      }
+    }
+    reset_step();
+    return error;
+  }
+
+  void finish_abandoned() {
+    if (!step_abandoned()) return;
+    auto error = drain_and_reset();
+    if (!error.empty()) {
+      throw Error(ddpkit::detail::cat(
+          "DDP: the previous step's reduction did not finish (its backward "
+          "threw after starting gradient all-reduces, and waiting for them "
+          "failed): ",
+          error));
+    }
   }
 
   torch::Tensor& view_of(std::size_t i) {
@@ -363,19 +468,42 @@ class Reducer {
     } else if (!is_view_of(g, view)) {
       view.copy_(g);
       g = view;
+      ++gradient_copies_;
     }
   }
 
-  // Runs on the autograd thread after parameter i's AccumulateGrad: .grad
+  // Runs on an autograd thread after parameter i's AccumulateGrad: .grad
   // holds everything accumulated so far, including earlier no_sync steps.
+  // Parameters on several devices run hooks on several threads: the step's
+  // state is guarded by mutex_.
   void on_accumulated(std::size_t i) {
     if (!enabled_) return;  // no_sync: the sum stays in .grad
-    if (!callback_queued_) {
-      callback_queued_ = true;
-      torch::autograd::Engine::get_default_engine().queue_callback(
-          [this] { finalize(); });
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (step_abandoned()) {
+      throw Error(ddpkit::detail::cat(
+          "DDP: the previous step's reduction did not finish (its backward "
+          "threw after starting gradient all-reduces), so this backward ",
+          "would run on top of it; call the reducer's prepare_for_backward() "
+          "or zero_grad() before the next backward (the DDP engine's forward "
+          "and zero_grad do)"));
     }
-    if (ready_[i]) return;
+    if (state_ != StepState::running) {
+      state_ = StepState::running;
+      // The token lives as long as the graph task holding the callback.
+      auto token = std::make_shared<char>();
+      callback_token_ = token;
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [this, token] { finalize(); });
+    }
+    if (ready_[i]) {
+      throw Error(ddpkit::detail::cat(
+          "DDP: parameter ", names_[i],
+          " was marked ready twice in one backward: its gradient was "
+          "accumulated again after it had been handed to an all-reduce (a "
+          "reentrant backward, e.g. reentrant activation checkpointing, or a "
+          "custom autograd function that calls backward). Use non-reentrant "
+          "checkpointing, or compute that part outside the DDP model"));
+    }
     torch::NoGradGuard no_grad;
     adopt_grad(i);
     mark_ready(i);
@@ -402,6 +530,7 @@ class Reducer {
   }
 
   void finalize() {
+    std::lock_guard<std::mutex> lock(mutex_);
     torch::NoGradGuard no_grad;
     auto t0 = Trace::clock::now();
     // Parameters that got no gradient this step.
@@ -416,7 +545,7 @@ class Reducer {
           list += (k ? ", " : "") + names_[missing[k]];
         }
         if (missing.size() > 10) list += ", ...";
-        reset_step();
+        (void)drain_and_reset();  // nothing left in flight
         throw Error(ddpkit::detail::cat("DDP: ", missing.size(),
                                         " parameter(s) received no gradient in "
                                         "this backward: ",
@@ -431,23 +560,36 @@ class Reducer {
         mark_ready(i);
       }
     }
-    // Wait for every bucket; the averages land in place, in .grad.
+    // Wait for every bucket; the averages land in place, in .grad. After a
+    // failure the rest are still waited for (a broken channel fails them at
+    // once), so the error leaves nothing in flight.
+    std::exception_ptr failed;
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
       auto& b = buckets_[bi];
       if (!b.launched) {
-        throw Error("DDP reducer: a bucket was never launched (internal)");
+        if (!failed) {
+          failed = std::make_exception_ptr(
+              Error("DDP reducer: a bucket was never launched (internal)"));
+        }
+        continue;
       }
-      dist::detail::wait(group_, b.work, "gradient all-reduce");
+      try {
+        dist::detail::wait(group_, b.work, "gradient all-reduce");
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+        continue;
+      }
       Comm::finish(b.flat, b.scratch);
       if (trace_) {
         trace_->record("allreduce bucket " + std::to_string(bi), b.launch_time,
                        Trace::clock::now(), 1);
       }
     }
+    reset_step();
+    if (failed) std::rethrow_exception(failed);
     auto t1 = Trace::clock::now();
     last_wait_seconds_ = std::chrono::duration<double>(t1 - t0).count();
     if (trace_) trace_->record("wait after backward", t0, t1, 0);
-    reset_step();
   }
 
   dist::Group group_;
@@ -464,7 +606,12 @@ class Reducer {
   std::vector<std::size_t> slot_index_;
   std::vector<bool> ready_;
   std::size_t next_to_launch_ = 0;
-  bool callback_queued_ = false;
+  enum class StepState { idle, running };
+  StepState state_ = StepState::idle;
+  std::weak_ptr<char> callback_token_;  // see on_accumulated
+  std::size_t abandoned_steps_ = 0;
+  std::size_t gradient_copies_ = 0;
+  std::mutex mutex_;
   bool enabled_ = true;
   double last_wait_seconds_ = 0;
 };
