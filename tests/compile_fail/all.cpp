@@ -17,3 +17,6 @@
 #define t t_not_a_model
 #include "not_a_model.cpp"
 #undef t
+#define t t_engine_without_zero_grad
+#include "engine_without_zero_grad.cpp"
+#undef t

@@ -193,14 +193,35 @@ DDPKIT_WORKER(syncbn_unequal) {
   bn->to(device);
   nn::convert_sync_batchnorm(*bn, g);
   auto y = bn(x);
-  // The global loss is the sum over ranks of each rank's part.
-  (y * wts.narrow(0, start, len).to(device)).sum().backward();
   auto dir = test::worker_dir();
   auto tag = std::to_string(r);
-  test::save_tensor(y.detach().cpu(), dir / ("y" + tag + ".pt"));
-  test::save_tensor(x.grad().cpu(), dir / ("dx" + tag + ".pt"));
   test::save_tensor(bn->running_mean.cpu(), dir / ("rm" + tag + ".pt"));
   test::save_tensor(bn->running_var.cpu(), dir / ("rv" + tag + ".pt"));
+  // T_DROP_MODULE=1: the module (and the group it holds) is gone before
+  // backward, which must still reduce over the group.
+  if (env_or("T_DROP_MODULE", "0") == "1") bn = nn::BatchNorm2d(nullptr);
+  // The global loss is the sum over ranks of each rank's part.
+  (y * wts.narrow(0, start, len).to(device)).sum().backward();
+  test::save_tensor(y.detach().cpu(), dir / ("y" + tag + ".pt"));
+  test::save_tensor(x.grad().cpu(), dir / ("dx" + tag + ".pt"));
+  return 0;
+}
+
+/// Rank 0 evaluates a synchronised BN with track_running_stats=false alone
+/// (batch statistics in eval mode); rank 1 does nothing. Evaluation must not
+/// communicate (PyTorch's rule), so rank 0 finishes with local statistics.
+DDPKIT_WORKER(syncbn_eval_alone) {
+  auto g = test::worker_group();
+  if (g.rank() != 0) return 0;
+  nn::BatchNorm2d bn(torch::nn::BatchNormOptions(4).track_running_stats(false));
+  nn::convert_sync_batchnorm(*bn, g);
+  bn->eval();
+  auto x = torch::randn({6, 4, 3, 3}, at::detail::createCPUGenerator(9));
+  auto y = bn(x);
+  auto want = torch::batch_norm(x, bn->weight, bn->bias, {}, {}, true, 0.1,
+                                1e-5, false);
+  std::ofstream(test::worker_dir() / "eval0")
+      << test::rel_diff(y, want) << " " << g.collectives_started();
   return 0;
 }
 
@@ -642,6 +663,27 @@ TEST_SUITE("parallel") {
     TempDir dir;
     REQUIRE(run_workers("syncbn_unequal", 2, dir.str()).ok());
     check_syncbn_unequal(dir.path(), 1e-5);
+  }
+
+  TEST_CASE(
+      "SyncBatchNorm: backward after the module is gone; evaluation never "
+      "communicates") {
+    TempDir dir;
+    REQUIRE(run_workers("syncbn_unequal", 2, dir.str(),
+                        {{"T_DROP_MODULE", "1"}})
+                .ok());
+    check_syncbn_unequal(dir.path(), 1e-5);
+    TempDir eval;
+    auto res = run_workers("syncbn_eval_alone", 2, eval.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    std::ifstream in(eval / "eval0");
+    double d = 1;
+    uint64_t collectives = 1;
+    in >> d >> collectives;
+    MESSAGE("rank 0 alone in eval: relative difference to local batch norm ",
+            d, ", ", collectives, " collective(s) after set-up");
+    CHECK(d <= 1e-6);
   }
 
   TEST_CASE("BatchNorm2d matches torch::nn::BatchNorm2d and its state dict") {

@@ -35,6 +35,13 @@ inline torch::Tensor per_channel(const torch::Tensor& v, int64_t dim) {
   return v.view(shape);
 }
 
+/// Keeps the group alive in a SyncBN node's saved data until its backward
+/// has run (the module, and the group it holds, may be gone by then).
+struct SavedGroup : torch::CustomClassHolder {
+  explicit SavedGroup(dist::Group g) : group(std::move(g)) {}
+  dist::Group group;
+};
+
 /// Synchronised batch norm over the ranks of a group. Statistics are merged
 /// from each rank's (count, mean, M2), so ranks with different batch sizes
 /// give exactly the statistics of the concatenated batch.
@@ -48,7 +55,8 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     const auto dims = reduce_dims(x);
     const int64_t C = x.size(1);
     const double local_n = static_cast<double>(x.numel() / C);
-    ctx->saved_data["group"] = group_handle;
+    ctx->saved_data["group"] =
+        c10::IValue::make_capsule(c10::make_intrusive<SavedGroup>(g));
     ctx->saved_data["has_bias"] = bias.defined();
     if (x.is_cuda()) {
       return cuda_forward(ctx, x, weight, bias, running_mean, running_var, eps,
@@ -169,8 +177,8 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const auto& g =
-        *reinterpret_cast<const dist::Group*>(ctx->saved_data["group"].toInt());
+    const auto holder = ctx->saved_data["group"].toCapsule();
+    const auto& g = static_cast<const SavedGroup*>(holder.get())->group;
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     if (saved[0].is_cuda()) return cuda_backward(saved, grads[0], g, has_bias);
     auto x = saved[0], weight = saved[1], mean = saved[2], invstd = saved[3];
@@ -211,7 +219,8 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
 /// num_batches_tracked), so state dicts are interchangeable. Plain batch
 /// norm until `set_sync_group` attaches a group of more than one rank; then
 /// training statistics are global across ranks (SyncBatchNorm). Evaluation
-/// always uses the running statistics.
+/// uses the running statistics (or, with track_running_stats=false, the
+/// local batch's) and never communicates.
 ///
 /// Example:
 /// ```
@@ -261,7 +270,10 @@ class BatchNorm2dImpl : public torch::nn::Cloneable<BatchNorm2dImpl> {
     }
     const bool use_batch_stats =
         is_training() || !options.track_running_stats();
-    if (use_batch_stats && group_ && group_->size() > 1) {
+    // Synchronised in training mode only (PyTorch's rule): evaluation, even
+    // with batch statistics (track_running_stats=false), is local, so one
+    // rank may evaluate alone.
+    if (is_training() && group_ && group_->size() > 1) {
       return detail::SyncBNFunction::apply(x, weight, bias, running_mean,
                                            running_var, options.eps(), momentum,
                                            reinterpret_cast<int64_t>(&*group_));

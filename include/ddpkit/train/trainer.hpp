@@ -129,10 +129,12 @@ inline torch::Device default_device(const dist::Group& g) {
 /// A wrong combination is a compile error naming the concept:
 /// `sampler_matches_parallel_policy` (DistributedSampling with SingleDevice,
 /// or a non-sharding sampler with DDP) or `bn_matches_parallel_policy`
-/// (SyncBN without several processes).
+/// (SyncBN without several processes). A policy of your own whose engine
+/// lacks part of the contract fails `parallel_engine`, naming the piece.
 template <class Model, class Parallel, class Sampler, class BN,
           class LRScaling = NoScaling, class Reduction = RankZeroEval>
 requires trainable_model<Model> && parallel_policy<Parallel> &&
+    parallel_engine<Parallel, Model, dist::Group> &&
     sampler_policy<Sampler> && bn_policy<BN> && lr_scaling_policy<LRScaling> &&
     reduction_policy<Reduction> &&
     sampler_matches_parallel_policy<Parallel, Sampler> &&

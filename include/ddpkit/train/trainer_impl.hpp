@@ -10,6 +10,7 @@
   template <class Model, class Parallel, class Sampler, class BN,    \
             class LRScaling, class Reduction>                        \
   requires trainable_model<Model> && parallel_policy<Parallel> &&    \
+      parallel_engine<Parallel, Model, dist::Group> &&               \
       sampler_policy<Sampler> && bn_policy<BN> &&                    \
       lr_scaling_policy<LRScaling> && reduction_policy<Reduction> && \
       sampler_matches_parallel_policy<Parallel, Sampler> &&          \
