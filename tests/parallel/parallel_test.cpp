@@ -509,6 +509,178 @@ DDPKIT_WORKER(ready_twice) {
   return 0;
 }
 
+/// fc1 → [c] → fc2 (+ a): `a` is used when `use_a` is set, `c` when
+/// `use_c` is, `b` never. The same module in Python is in kUnusedCheck.
+struct PatternNetImpl : torch::nn::Cloneable<PatternNetImpl> {
+  PatternNetImpl() {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(12, 8));
+    fc2 = register_module("fc2", torch::nn::Linear(8, 5));
+    a = register_module("a", torch::nn::Linear(8, 5));
+    b = register_module("b", torch::nn::Linear(8, 5));
+    c = register_module("c", torch::nn::Linear(8, 8));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = torch::tanh(fc1(x));
+    if (use_c) h = torch::tanh(c(h));
+    auto out = fc2(h);
+    return use_a ? out + a(h) : out;
+  }
+  bool use_a = true, use_c = true;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, a{nullptr}, b{nullptr},
+      c{nullptr};
+};
+TORCH_MODULE(PatternNet);
+
+constexpr int kPatternSteps = 3;
+
+/// Step s's micro-batch m (0: under no_sync, 1: synced) of the joined
+/// batch: 2 ranks x 4 rows x 12 features.
+std::pair<torch::Tensor, torch::Tensor> pattern_batch(int s, int m) {
+  auto gen = at::detail::createCPUGenerator(500 + 2 * s + m);
+  return {torch::randn({2 * kPerRank, 12}, gen),
+          torch::randint(0, 5, {2 * kPerRank}, gen, torch::kLong)};
+}
+
+/// PyTorch's unused-parameter pattern at world 2, through the DDP engine
+/// with find_unused_parameters: `a` used on rank 0 only, `b` on no rank,
+/// `c` only in the no_sync micro-step. Gradients zeroed through the engine
+/// (what the Trainer does); SGD with momentum and weight decay, so a
+/// gradient that should stay undefined but is zero moves the weights.
+DDPKIT_WORKER(unused_pattern) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  torch::manual_seed(77);
+  PatternNet net;
+  parallel::DDPOptions opts;
+  opts.reducer(one_param_buckets().find_unused_parameters(true));
+  parallel::DDP::engine<PatternNet> eng(net, g, opts, torch::kCPU);
+  torch::optim::SGD opt(
+      net->parameters(),
+      torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+  std::size_t overlapped = 0;
+  for (int s = 0; s < kPatternSteps; ++s) {
+    eng.zero_grad();
+    net->use_a = r == 0;
+    for (int m = 0; m < 2; ++m) {
+      auto [x, y] = pattern_batch(s, m);
+      x = x.narrow(0, r * kPerRank, kPerRank);
+      y = y.narrow(0, r * kPerRank, kPerRank);
+      net->use_c = m == 0;
+      auto half = [](const torch::Tensor& o, const torch::Tensor& t) {
+        return test::ce_loss(o, t) / 2;
+      };
+      if (m == 0) {
+        auto guard = eng.no_sync();
+        eng.forward_backward(x, y, half);
+      } else {
+        eng.forward_backward(x, y, half);
+      }
+    }
+    overlapped += eng.reducer()->buckets_launched_in_backward();
+    opt.step();
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& p : net->named_parameters()) out.emplace_back(p.key(), p.value());
+  out.emplace_back("b_grad_defined",
+                   torch::tensor(net->b->weight.grad().defined() ? 1 : 0));
+  std::ofstream(test::worker_dir() / ("overlap" + std::to_string(r)))
+      << eng.reducer()->buckets().size() << " " << overlapped;
+  test::save_tensors(test::worker_dir() / ("cpp" + std::to_string(r) + ".pt"),
+                     out);
+  // The same model and data for the Python side (rank 0 writes them).
+  if (r == 0) {
+    torch::manual_seed(77);
+    PatternNet init;
+    std::vector<std::pair<std::string, torch::Tensor>> data;
+    for (auto& p : init->named_parameters())
+      data.emplace_back("init." + p.key(), p.value().detach());
+    for (int s = 0; s < kPatternSteps; ++s) {
+      for (int m = 0; m < 2; ++m) {
+        auto [x, y] = pattern_batch(s, m);
+        auto tag = std::to_string(s) + "_" + std::to_string(m);
+        data.emplace_back("x" + tag, x);
+        data.emplace_back("y" + tag, y);
+      }
+    }
+    test::save_tensors(test::worker_dir() / "data.pt", data);
+  }
+  return 0;
+}
+
+/// PyTorch's DistributedDataParallel (gloo, 2 processes) on the same model,
+/// data and pattern; compares with what each C++ rank wrote.
+const char* const kUnusedCheck = R"PY(
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+d = sys.argv[1]
+STEPS = int(sys.argv[2])
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(12, 8)
+        self.fc2 = torch.nn.Linear(8, 5)
+        self.a = torch.nn.Linear(8, 5)
+        self.b = torch.nn.Linear(8, 5)
+        self.c = torch.nn.Linear(8, 8)
+        self.use_a = True
+        self.use_c = True
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.use_c:
+            h = torch.tanh(self.c(h))
+        out = self.fc2(h)
+        return out + self.a(h) if self.use_a else out
+
+def run(rank):
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "rdzv"),
+                            rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    data = torch.load(os.path.join(d, "data.pt"))
+    net = Net()
+    with torch.no_grad():
+        for k, p in net.named_parameters():
+            p.copy_(data["init." + k])
+    ddp = DDP(net, find_unused_parameters=True, bucket_cap_mb=1e-6)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    for s in range(STEPS):
+        opt.zero_grad()
+        net.use_a = rank == 0
+        for m in range(2):
+            x = data[f"x{s}_{m}"][rank * 4:(rank + 1) * 4]
+            y = data[f"y{s}_{m}"][rank * 4:(rank + 1) * 4]
+            net.use_c = m == 0
+            if m == 0:
+                with ddp.no_sync():
+                    (torch.nn.functional.cross_entropy(ddp(x), y) / 2).backward()
+            else:
+                (torch.nn.functional.cross_entropy(ddp(x), y) / 2).backward()
+        opt.step()
+    cpp = torch.load(os.path.join(d, f"cpp{rank}.pt"))
+    worst = 0.0
+    for k, p in net.named_parameters():
+        diff = ((cpp[k] - p.detach()).abs().max() / p.detach().abs().max()).item()
+        moved = (p.detach() - data["init." + k]).abs().max().item()
+        print(f"rank {rank} {k}: relative difference {diff:.3g} (moved {moved:.3g})")
+        worst = max(worst, diff)
+    b_none = net.b.weight.grad is None
+    print(f"rank {rank}: b.grad is None in PyTorch: {b_none}; defined in ddpkit: "
+          f"{bool(cpp['b_grad_defined'].item())}")
+    ok = worst <= 1e-5 and b_none and not bool(cpp["b_grad_defined"].item())
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+if __name__ == "__main__":
+    mp.spawn(run, nprocs=2)
+)PY";
+
 DDPKIT_WORKER(mismatched_models) {
   auto g = test::worker_group();
   // Rank 1 builds the model with BatchNorm, rank 0 without.
@@ -874,6 +1046,29 @@ TEST_SUITE("parallel") {
       CHECK(msg.find("parameter fc2.weight was marked ready twice") !=
             std::string::npos);
     }
+  }
+
+  TEST_CASE(
+      "DDP: unused parameters follow PyTorch's semantics (its own DDP run "
+      "in Python on the same model, data and pattern)") {
+    TempDir dir;
+    auto res = run_workers("unused_pattern", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    for (int r = 0; r < 2; ++r) {
+      // Overlap: the walk marks the unused parameters ready when backward
+      // starts, so every bucket but the last is launched inside backward.
+      std::ifstream in(dir / ("overlap" + std::to_string(r)));
+      int64_t buckets = 0, launched = 0;
+      in >> buckets >> launched;
+      MESSAGE("rank ", r, ": ", launched, " of ", kPatternSteps * buckets,
+              " bucket launches inside backward");
+      CHECK(launched >= kPatternSteps * (buckets - 1));
+    }
+    const int rc = test::run_python_check(
+        dir.path(), kUnusedCheck,
+        dir.str() + " " + std::to_string(kPatternSteps));
+    if (rc != -1) CHECK(rc == 0);
   }
 
   TEST_CASE("DDP: models that differ across ranks fail at construction") {

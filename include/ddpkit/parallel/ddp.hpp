@@ -113,7 +113,12 @@ struct BasicDDP {
       if (opts_.broadcast_buffers() && as_module(model_).is_training()) {
         broadcast_coalesced(group_, as_module(model_).buffers(), 0);
       }
-      return model_->forward(x);
+      torch::Tensor out = model_->forward(x);
+      if (reducer_ && torch::GradMode::is_enabled() &&
+          opts_.reducer().find_unused_parameters()) {
+        reducer_->prepare_for_backward({out});  // the unused-parameter walk
+      }
+      return out;
     }
 
     template <class LossFn>

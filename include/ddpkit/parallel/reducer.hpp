@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/csrc/autograd/engine.h>
@@ -49,8 +50,17 @@ struct ReducerOptions {
   /// when backward ends: everything in it is communication nobody overlaps.
   /// Capping it keeps that tail short (0: no separate cap).
   TORCH_ARG(int64_t, last_bucket_cap_bytes) = 1024 * 1024;
-  /// Parameters that get no gradient in a step are treated as zero (true),
-  /// or are an error naming them (false).
+  /// PyTorch's find_unused_parameters. true: the DDP engine walks the
+  /// autograd graph from forward's output to find the parameters this rank
+  /// does not use, and marks them ready when backward starts (their buckets
+  /// still overlap with backward); they contribute what `.grad` holds (zero
+  /// after zero_grad). After the step a parameter unused on every rank
+  /// keeps its gradient as it was (undefined stays undefined, so the
+  /// optimizer skips it); one used on some ranks gets the average over all
+  /// ranks. Costs one small all-reduce (a used-flag per parameter) per step.
+  /// false: a parameter that got no gradient is an error naming it.
+  /// Either way a parameter used only in earlier no_sync micro-steps is
+  /// used: its accumulated gradient is averaged.
   TORCH_ARG(bool, find_unused_parameters) = false;
   /// When the group reduces through shared memory (every rank on one
   /// host), keep the gradient buckets in a shared segment, so each
@@ -205,6 +215,42 @@ class Reducer {
     finish_abandoned();
   }
 
+  /// The same, given forward's outputs: with find_unused_parameters, walks
+  /// the autograd graph from them; the parameters it does not reach are
+  /// marked ready as soon as backward starts.
+  void prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finish_abandoned();
+    if (!opts_.find_unused_parameters()) return;
+    std::vector<torch::autograd::Node*> stack;
+    std::unordered_set<torch::autograd::Node*> seen;
+    for (const auto& o : outputs) {
+      if (o.defined() && o.grad_fn() && seen.insert(o.grad_fn().get()).second) {
+        stack.push_back(o.grad_fn().get());
+      }
+    }
+    while (!stack.empty()) {
+      auto* node = stack.back();
+      stack.pop_back();
+      for (const auto& edge : node->next_edges()) {
+        auto* next = edge.function.get();
+        if (next && seen.insert(next).second) stack.push_back(next);
+      }
+    }
+    expect_unused_.clear();
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!seen.count(accumulators_[i].get())) expect_unused_.push_back(i);
+    }
+    walked_ = true;
+  }
+
+  /// Buckets launched before the end-of-backward callback in the last
+  /// synchronised step (the rest were launched by the callback, with
+  /// nothing left to overlap).
+  std::size_t buckets_launched_in_backward() const {
+    return launched_in_backward_;
+  }
+
   /// After a backward that threw (the DDP engine calls it): waits for the
   /// buckets the step had launched, ignoring their errors (the backward's
   /// own error is the one to report), and resets the step. Idempotent; a
@@ -245,6 +291,9 @@ class Reducer {
     for (auto& b : buckets_) b.flat.zero_();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       auto& g = params_[i].mutable_grad();
+      // Remembered so a parameter unused on every rank gets its undefined
+      // gradient back (PyTorch's set-to-None default).
+      if (!g.defined()) was_undefined_[i] = 1;
       if (!g.defined() || !is_view_of(g, view_of(i))) g = view_of(i);
     }
   }
@@ -310,6 +359,8 @@ class Reducer {
       }
     }
     ready_.assign(n, false);
+    used_.assign(n, 0);
+    was_undefined_.assign(n, 0);
     reset_step();
   }
 
@@ -408,6 +459,10 @@ class Reducer {
     next_to_launch_ = 0;
     state_ = StepState::idle;
     callback_token_.reset();
+    std::fill(used_.begin(), used_.end(), 0);
+    std::fill(was_undefined_.begin(), was_undefined_.end(), 0);
+    expect_unused_.clear();
+    walked_ = false;
   }
 
   // A step is abandoned when it is running but the graph task that held
@@ -465,6 +520,7 @@ class Reducer {
     if (!g.defined()) {
       view.zero_();
       g = view;
+      was_undefined_[i] = 1;
     } else if (!is_view_of(g, view)) {
       view.copy_(g);
       g = view;
@@ -477,8 +533,9 @@ class Reducer {
   // Parameters on several devices run hooks on several threads: the step's
   // state is guarded by mutex_.
   void on_accumulated(std::size_t i) {
-    if (!enabled_) return;  // no_sync: the sum stays in .grad
     std::lock_guard<std::mutex> lock(mutex_);
+    used_[i] = 1;  // also under no_sync: it has a gradient to average
+    if (!enabled_) return;  // no_sync: the sum stays in .grad
     if (step_abandoned()) {
       throw Error(ddpkit::detail::cat(
           "DDP: the previous step's reduction did not finish (its backward "
@@ -494,15 +551,31 @@ class Reducer {
       callback_token_ = token;
       torch::autograd::Engine::get_default_engine().queue_callback(
           [this, token] { finalize(); });
+      // Parameters the graph walk found unused: ready now, so the buckets
+      // holding them launch while backward still runs.
+      torch::NoGradGuard no_grad;
+      for (auto k : expect_unused_) {
+        if (k == i || ready_[k]) continue;
+        adopt_grad(k);
+        mark_ready(k);
+      }
     }
     if (ready_[i]) {
+      const bool walked_past =
+          walked_ && std::find(expect_unused_.begin(), expect_unused_.end(),
+                               i) != expect_unused_.end();
       throw Error(ddpkit::detail::cat(
           "DDP: parameter ", names_[i],
           " was marked ready twice in one backward: its gradient was "
-          "accumulated again after it had been handed to an all-reduce (a "
-          "reentrant backward, e.g. reentrant activation checkpointing, or a "
-          "custom autograd function that calls backward). Use non-reentrant "
-          "checkpointing, or compute that part outside the DDP model"));
+          "accumulated again after it had been handed to an all-reduce ",
+          walked_past
+              ? "(find_unused_parameters found it unreachable from the "
+                "model's output, yet backward reached it: is it used in the "
+                "loss outside the model's forward?)"
+              : "(a reentrant backward, e.g. reentrant activation "
+                "checkpointing, or a custom autograd function that calls "
+                "backward). Use non-reentrant checkpointing, or compute that "
+                "part outside the DDP model"));
     }
     torch::NoGradGuard no_grad;
     adopt_grad(i);
@@ -525,6 +598,7 @@ class Reducer {
       b.launch_time = Trace::clock::now();
       b.work = Comm::start(group_, b.flat, b.scratch);
       b.launched = true;
+      if (!in_finalize_) ++launched_now_;
       ++next_to_launch_;
     }
   }
@@ -533,32 +607,52 @@ class Reducer {
     std::lock_guard<std::mutex> lock(mutex_);
     torch::NoGradGuard no_grad;
     auto t0 = Trace::clock::now();
-    // Parameters that got no gradient this step.
+    launched_in_backward_ = launched_now_;
+    launched_now_ = 0;
+    in_finalize_ = true;
+    struct Leave {
+      bool& flag;
+      ~Leave() {
+        flag = false;
+      }
+    } leave{in_finalize_};
+    // Parameters that got no gradient this step (those used only in
+    // earlier no_sync micro-steps have one: theirs is averaged).
     std::vector<std::size_t> missing;
+    bool error = false;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!ready_[i]) missing.push_back(i);
+      if (ready_[i]) continue;
+      missing.push_back(i);
+      error |= !used_[i] && !opts_.find_unused_parameters();
     }
-    if (!missing.empty()) {
-      if (!opts_.find_unused_parameters()) {
-        std::string list;
-        for (std::size_t k = 0; k < missing.size() && k < 10; ++k) {
-          list += (k ? ", " : "") + names_[missing[k]];
-        }
-        if (missing.size() > 10) list += ", ...";
-        (void)drain_and_reset();  // nothing left in flight
-        throw Error(ddpkit::detail::cat("DDP: ", missing.size(),
-                                        " parameter(s) received no gradient in "
-                                        "this backward: ",
-                                        list,
-                                        ". Either use them in forward or set "
-                                        "find_unused_parameters(true)."));
+    if (error) {
+      std::erase_if(missing, [&](std::size_t i) { return used_[i] != 0; });
+      std::string list;
+      for (std::size_t k = 0; k < missing.size() && k < 10; ++k) {
+        list += (k ? ", " : "") + names_[missing[k]];
       }
-      // Unused here, maybe used on another rank: send what .grad holds
-      // (zero, or what earlier no_sync steps accumulated).
-      for (auto i : missing) {
-        adopt_grad(i);
-        mark_ready(i);
-      }
+      if (missing.size() > 10) list += ", ...";
+      (void)drain_and_reset();  // nothing left in flight
+      throw Error(ddpkit::detail::cat(
+          "DDP: ", missing.size(),
+          " parameter(s) received no gradient in this backward: ", list,
+          ". Either use them in forward or set find_unused_parameters(true)."));
+    }
+    // Unused here, maybe used on another rank: send what .grad holds
+    // (zero, or what earlier no_sync steps accumulated).
+    for (auto i : missing) {
+      adopt_grad(i);
+      mark_ready(i);
+    }
+    // Which parameters some rank used (launched after every bucket, at the
+    // same point on every rank).
+    torch::Tensor used_by;
+    dist::compat::WorkPtr used_work;
+    if (opts_.find_unused_parameters()) {
+      used_by = torch::tensor(std::vector<int32_t>(used_.begin(), used_.end()),
+                              torch::kInt32);
+      if (!group_.device().is_cpu()) used_by = used_by.to(group_.device());
+      used_work = dist::all_reduce_async(group_, used_by);
     }
     // Wait for every bucket; the averages land in place, in .grad. After a
     // failure the rest are still waited for (a broken channel fails them at
@@ -583,6 +677,22 @@ class Reducer {
       if (trace_) {
         trace_->record("allreduce bucket " + std::to_string(bi), b.launch_time,
                        Trace::clock::now(), 1);
+      }
+    }
+    if (used_work) {
+      try {
+        dist::detail::wait(group_, used_work, "used-parameter all-reduce");
+        // Unused on every rank: its gradient stays as it was before the
+        // step (undefined stays undefined).
+        auto counts = used_by.cpu();
+        const auto* c = counts.data_ptr<int32_t>();
+        for (std::size_t i = 0; i < params_.size(); ++i) {
+          if (c[i] == 0 && was_undefined_[i]) {
+            params_[i].mutable_grad() = torch::Tensor();
+          }
+        }
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
       }
     }
     reset_step();
@@ -611,6 +721,13 @@ class Reducer {
   std::weak_ptr<char> callback_token_;  // see on_accumulated
   std::size_t abandoned_steps_ = 0;
   std::size_t gradient_copies_ = 0;
+  // Per parameter: got a gradient since the last synchronised step (no_sync
+  // micro-steps included); .grad was undefined before this step bound it.
+  std::vector<uint8_t> used_, was_undefined_;
+  std::vector<std::size_t> expect_unused_;  // from the graph walk
+  bool walked_ = false;
+  bool in_finalize_ = false;
+  std::size_t launched_now_ = 0, launched_in_backward_ = 0;
   std::mutex mutex_;
   bool enabled_ = true;
   double last_wait_seconds_ = 0;
