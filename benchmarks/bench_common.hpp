@@ -4,6 +4,7 @@
 // small key/value file written by rank 0.
 #pragma once
 
+#include <array>
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -220,6 +221,33 @@ struct ModelSpec {
 };
 
 /// Calls `f(model)` with a freshly built model of that name.
+/// A plain conv net whose modules are registered in the reverse of the
+/// order they run (head first): the reducer's initial bucket order (reverse
+/// registration) is then the reverse of the order gradients arrive, which
+/// the learned bucket order repairs after the first step.
+struct HeadFirstNetImpl : torch::nn::Module {
+  HeadFirstNetImpl() {
+    head = register_module("head", torch::nn::Linear(256, 10));
+    for (int k = 4; k >= 0; --k) {
+      const int64_t in = k == 0 ? 3 : (k == 1 ? 64 : (k == 2 ? 128 : 256));
+      const int64_t out = k == 0 ? 64 : (k == 1 ? 128 : 256);
+      convs[static_cast<std::size_t>(k)] = register_module(
+          "conv" + std::to_string(k),
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3)
+                                .padding(1)
+                                .stride(k < 3 ? 2 : 1)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& c : convs) x = torch::relu(c(x));
+    return head(torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1));
+  }
+  torch::nn::Linear head{nullptr};
+  std::array<torch::nn::Conv2d, 5> convs{nullptr, nullptr, nullptr, nullptr,
+                                         nullptr};
+};
+TORCH_MODULE(HeadFirstNet);
+
 template <class F>
 auto with_model(const std::string& name, F&& f) {
   if (name == "resnet18") return f(ddpkit::nn::resnet18(10));
@@ -227,6 +255,7 @@ auto with_model(const std::string& name, F&& f) {
   if (name == "cifarnet") {
     return f(ddpkit::nn::CifarNet(ddpkit::nn::CifarNetOptions(10)));
   }
+  if (name == "headfirst") return f(HeadFirstNet());
   throw std::runtime_error("unknown model " + name);
 }
 

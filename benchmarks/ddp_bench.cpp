@@ -15,9 +15,12 @@
 //                                      all-reduce
 //   local/<kind>/<model>               in one process: bare model, world-1
 //                                      engine, reducer hooks without comm
+//   order/headfirst/world:2/rebuild:R  a net registered head first: buckets
+//                                      in registration order (0) or rebuilt
+//                                      in arrival order (1)
 //
 // Launcher flags (before Google Benchmark's): --quick, --sections=a,b,...
-// (overhead, decompose, scaling, buckets, local), --rounds=N, --round-id=K,
+// (overhead, decompose, scaling, buckets, local, order), --rounds=N, --round-id=K,
 // --worlds=1,2,4,8.
 #include <sys/resource.h>
 
@@ -102,7 +105,8 @@ double ddp_steps(Model model, const dd::Group& g, const b::Args& a,
                     static_cast<int64_t>(a.num("bucket_mib", 25) * kMiB))
                 .first_bucket_cap_bytes(
                     static_cast<int64_t>(a.num("first_bucket_mib", 1) * kMiB))
-                .shared_buckets(a.num("shared_buckets", 1) != 0);
+                .shared_buckets(a.num("shared_buckets", 1) != 0)
+                .rebuild_buckets(a.num("rebuild", 1) != 0);
   typename Policy::template engine<Model> eng(
       model, g, dp::DDPOptions().reducer(ro), dev);
   auto opt = make_sgd(*eng.module());
@@ -360,6 +364,22 @@ void register_all(const b::Args& o) {
         "buckets/" + m.label() + "/flat", 2,
         cat(cat(m.args(), steps_for(m.name, false)), {"--mode=flat"}),
         b::all_counters);
+  }
+  if (wants(sections, "order")) {
+    // Learned bucket order: the same net, world 2, side by side.
+    for (int round = 0; round < 2; ++round) {
+      for (int rebuild : {0, 1}) {
+        b::register_world(
+            "order/headfirst@64/b16/world:2/rebuild:" + std::to_string(rebuild) +
+                "/round:" + std::to_string(round + 1),
+            2,
+            {"--model=headfirst", "--image=64", "--batch=16",
+             "--bucket_mib=1", "--first_bucket_mib=1",
+             quick ? "--steps=12" : "--steps=24", "--warmup=3",
+             "--rebuild=" + std::to_string(rebuild)},
+            b::all_counters);
+      }
+    }
   }
   if (wants(sections, "scaling")) {
     for (auto& m : scaling_models) {

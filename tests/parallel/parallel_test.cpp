@@ -118,6 +118,8 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
       // Averaging is linear, so the weights cannot tell a no_sync that
       // communicates from one that does not: count the collectives.
       const auto before = g.collectives_started();
+      const auto buckets = eng.reducer() ? eng.reducer()->buckets().size() : 0;
+      const auto rebuilds = eng.reducer() ? eng.reducer()->rebuilds() : 0;
       {
         auto guard = eng.no_sync();
         eng.forward_backward(xr.narrow(0, 0, half), yr.narrow(0, 0, half),
@@ -127,13 +129,16 @@ int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
       eng.forward_backward(xr.narrow(0, half, half), yr.narrow(0, half, half),
                            loss_half);
       const auto synced = g.collectives_started() - before - during;
-      const auto buckets = eng.reducer() ? eng.reducer()->buckets().size() : 0;
-      if (during != 0 || synced != buckets) {
+      // The step that rebuilds the buckets also broadcasts rank 0's order.
+      const auto rebuilt =
+          eng.reducer() ? eng.reducer()->rebuilds() - rebuilds : 0;
+      if (during != 0 || synced != buckets + rebuilt) {
         std::fprintf(stderr,
                      "rank %d: %llu collective(s) under no_sync (want 0), %llu "
-                     "in the synced backward (want one per bucket, %zu)\n",
+                     "in the synced backward (want one per bucket, %zu, + %zu "
+                     "for the rebuild)\n",
                      r, static_cast<unsigned long long>(during),
-                     static_cast<unsigned long long>(synced), buckets);
+                     static_cast<unsigned long long>(synced), buckets, rebuilt);
         return 13;
       }
     } else {
@@ -681,6 +686,75 @@ if __name__ == "__main__":
     mp.spawn(run, nprocs=2)
 )PY";
 
+/// A head registered before the trunk it follows: registration order is
+/// the reverse of what backward produces.
+struct HeadFirstNetImpl : torch::nn::Cloneable<HeadFirstNetImpl> {
+  HeadFirstNetImpl() {
+    reset();
+  }
+  void reset() override {
+    head = register_module("head", torch::nn::Linear(16, 5));
+    trunk1 = register_module("trunk1", torch::nn::Linear(12, 16));
+    trunk2 = register_module("trunk2", torch::nn::Linear(16, 16));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::tanh(trunk1(x.mean({2, 3}).repeat({1, 4})));
+    return head(torch::tanh(trunk2(x)));
+  }
+  torch::nn::Linear head{nullptr}, trunk1{nullptr}, trunk2{nullptr};
+};
+TORCH_MODULE(HeadFirstNet);
+
+HeadFirstNet make_head_first(uint64_t seed) {
+  torch::manual_seed(seed);
+  return HeadFirstNet();
+}
+
+/// SGD with momentum on the head-first net: one process on the joined
+/// batch, or one rank's part through the DDP engine.
+void train_head_first(HeadFirstNet& net, int world, int rank,
+                      parallel::DDP::engine<HeadFirstNet>* eng) {
+  torch::optim::SGD opt(net->parameters(),
+                        torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = test::global_batch(s, world * kPerRank);
+    if (eng) {
+      x = x.narrow(0, rank * kPerRank, kPerRank);
+      y = y.narrow(0, rank * kPerRank, kPerRank);
+      eng->zero_grad();
+      eng->forward_backward(x, y, test::ce_loss);
+    } else {
+      opt.zero_grad();
+      test::ce_loss(net->forward(x), y).backward();
+    }
+    opt.step();
+  }
+}
+
+/// Writes the names in bucket 0 before and after training (the first
+/// gradients to be ready should be there once the buckets are rebuilt).
+DDPKIT_WORKER(bucket_rebuild) {
+  auto g = test::worker_group();
+  auto net = make_head_first(80 + g.rank());
+  parallel::DDPOptions opts;
+  opts.reducer(one_param_buckets().rebuild_buckets(
+      env_or("T_REBUILD", "1") == "1"));
+  parallel::DDP::engine<HeadFirstNet> eng(net, g, opts, torch::kCPU);
+  auto names = net->named_parameters().keys();
+  auto first = [&] {
+    std::string out;
+    for (auto i : eng.reducer()->buckets().front().params) out += names[i];
+    return out;
+  };
+  const auto before = first();
+  train_head_first(net, g.size(), g.rank(), &eng);
+  std::ofstream(test::worker_dir() / ("order" + std::to_string(g.rank())))
+      << before << " " << first() << " " << eng.reducer()->rebuilds();
+  torch::save(net, (test::worker_dir() / ("hf" + std::to_string(g.rank())) )
+                       .string() + ".pt");
+  return 0;
+}
+
 DDPKIT_WORKER(mismatched_models) {
   auto g = test::worker_group();
   // Rank 1 builds the model with BatchNorm, rank 0 without.
@@ -1069,6 +1143,34 @@ TEST_SUITE("parallel") {
         dir.path(), kUnusedCheck,
         dir.str() + " " + std::to_string(kPatternSteps));
     if (rc != -1) CHECK(rc == 0);
+  }
+
+  TEST_CASE(
+      "DDP: buckets are rebuilt in the order gradients arrive, with the "
+      "same results") {
+    auto ref = make_head_first(80);
+    train_head_first(ref, 2, 0, nullptr);
+    TempDir dir;
+    auto res = run_workers("bucket_rebuild", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(dir / ("order" + std::to_string(r)));
+      std::string before, after;
+      int rebuilds = -1;
+      in >> before >> after >> rebuilds;
+      MESSAGE("rank ", r, ": bucket 0 held ", before, ", then ", after);
+      // Reverse registration order puts trunk2's bias first; backward
+      // produces the head's bias first.
+      CHECK(before == "trunk2.bias");
+      CHECK(after == "head.bias");
+      CHECK(rebuilds == 1);
+      auto net = make_head_first(0);
+      torch::load(net, (dir / ("hf" + std::to_string(r))).string() + ".pt");
+      double d = test::max_state_diff(*net, *ref);
+      MESSAGE("rank ", r, ": max relative difference ", d);
+      CHECK(d <= 1e-5);
+    }
   }
 
   TEST_CASE("DDP: models that differ across ranks fail at construction") {

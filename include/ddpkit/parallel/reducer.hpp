@@ -68,6 +68,11 @@ struct ReducerOptions {
   /// copying them through the channel (about half the memory traffic).
   /// Falls back to ordinary memory when the segment cannot be made.
   TORCH_ARG(bool, shared_buckets) = true;
+  /// After the first synchronised step, rebuild the buckets in the order
+  /// the gradients arrived on rank 0 (broadcast, so every rank agrees), as
+  /// PyTorch does once: a model whose modules are registered in another
+  /// order than they run still overlaps communication with backward.
+  TORCH_ARG(bool, rebuild_buckets) = true;
 };
 
 /// One bucket: a flat buffer over some parameters' gradients.
@@ -145,7 +150,13 @@ class Reducer {
       params_.push_back(params[i]);
       names_.push_back(std::move(name));
     }
-    build_buckets();
+    std::vector<std::size_t> order(params_.size());
+    // Until gradients have arrived once: reverse registration order
+    // (backward usually produces the last layers' gradients first).
+    for (std::size_t k = 0; k < order.size(); ++k) {
+      order[k] = order.size() - 1 - k;
+    }
+    build_buckets(order);
     adopt_existing_grads();
     // A strategy's collective set-up (e.g. a capability probe) runs here, at
     // the same point on every rank, not inside the first backward.
@@ -244,6 +255,11 @@ class Reducer {
     walked_ = true;
   }
 
+  /// Times the buckets were rebuilt in arrival order (0 before the first
+  /// synchronised step completes, then 1; see rebuild_buckets).
+  std::size_t rebuilds() const {
+    return rebuilds_;
+  }
   /// Buckets launched before the end-of-backward callback in the last
   /// synchronised step (the rest were launched by the callback, with
   /// nothing left to overlap).
@@ -299,23 +315,25 @@ class Reducer {
   }
 
  private:
-  void build_buckets() {
-    // Reverse order: backward produces the last layers' gradients first.
-    // The first parameters (ready last) get a bucket of their own, capped by
-    // last_bucket_cap_bytes, so the communication left after backward is
-    // small.
+  // Groups the parameters into buckets in `order`, the order their gradients
+  // are expected to be ready. The last ones (ready last) get a bucket of
+  // their own, capped by last_bucket_cap_bytes, so the communication left
+  // after backward is small.
+  void build_buckets(const std::vector<std::size_t>& order) {
     const std::size_t n = params_.size();
+    buckets_.clear();
     auto bytes_of = [&](std::size_t k) {
       return params_[k].numel() *
              static_cast<int64_t>(params_[k].element_size());
     };
-    std::size_t tail = 0;  // params [0, tail) form the last bucket
+    std::size_t tail = 0;  // order[n - tail, n) form the last bucket
     if (opts_.last_bucket_cap_bytes() > 0) {
       const int64_t tail_cap =
           std::min(opts_.last_bucket_cap_bytes(), opts_.bucket_cap_bytes());
       int64_t sum = 0;
-      while (tail < n && (tail == 0 || sum + bytes_of(tail) <= tail_cap)) {
-        sum += bytes_of(tail++);
+      while (tail < n && (tail == 0 ||
+                          sum + bytes_of(order[n - 1 - tail]) <= tail_cap)) {
+        sum += bytes_of(order[n - 1 - tail++]);
       }
     }
     Bucket current;
@@ -328,14 +346,15 @@ class Reducer {
       bytes = 0;
       cap = opts_.bucket_cap_bytes();
     };
-    for (std::size_t k = n; k-- > 0;) {
+    for (std::size_t pos = 0; pos < n; ++pos) {
+      const std::size_t k = order[pos];
       const auto& p = params_[k];
       int64_t pbytes = bytes_of(k);
       bool other_kind =
           !current.params.empty() &&
           (params_[current.params.front()].dtype() != p.dtype() ||
            params_[current.params.front()].device() != p.device());
-      bool enters_tail = k + 1 == tail && k + 1 < n;
+      bool enters_tail = pos + tail == n && pos > 0;
       if (other_kind || enters_tail ||
           (!current.params.empty() && bytes + pbytes > cap)) {
         close();
@@ -362,6 +381,34 @@ class Reducer {
     used_.assign(n, 0);
     was_undefined_.assign(n, 0);
     reset_step();
+  }
+
+  // After the first complete synchronised step (every rank at the same
+  // point): rank 0's arrival order is broadcast and the buckets are rebuilt
+  // in it; each gradient moves into its new bucket view.
+  void rebuild_in_arrival_order() {
+    const auto n = static_cast<int64_t>(params_.size());
+    auto order_t = torch::empty({n}, torch::kLong);
+    for (int64_t k = 0; k < n; ++k) {
+      order_t[k] = static_cast<int64_t>(arrival_[static_cast<std::size_t>(k)]);
+    }
+    if (!group_.device().is_cpu()) order_t = order_t.to(group_.device());
+    dist::broadcast(group_, order_t, 0);
+    order_t = order_t.cpu();
+    std::vector<std::size_t> order(params_.size());
+    for (int64_t k = 0; k < n; ++k) {
+      order[static_cast<std::size_t>(k)] =
+          static_cast<std::size_t>(order_t[k].item<int64_t>());
+    }
+    std::vector<torch::Tensor> grads;
+    for (auto& p : params_) grads.push_back(p.grad());
+    build_buckets(order);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      view_of(i).copy_(grads[i]);
+      params_[i].mutable_grad() = view_of(i);
+    }
+    ++rebuilds_;
   }
 
   int64_t numel_of(const Bucket& b) const {
@@ -462,6 +509,7 @@ class Reducer {
     std::fill(used_.begin(), used_.end(), 0);
     std::fill(was_undefined_.begin(), was_undefined_.end(), 0);
     expect_unused_.clear();
+    arrival_.clear();
     walked_ = false;
   }
 
@@ -584,6 +632,7 @@ class Reducer {
 
   void mark_ready(std::size_t i) {
     ready_[i] = true;
+    if (opts_.rebuild_buckets() && rebuilds_ == 0) arrival_.push_back(i);
     auto& b = buckets_[slot_bucket_[i]];
     if (--b.pending == 0) launch_ready_in_order();
   }
@@ -695,6 +744,10 @@ class Reducer {
         if (!failed) failed = std::current_exception();
       }
     }
+    if (!failed && opts_.rebuild_buckets() && rebuilds_ == 0 &&
+        arrival_.size() == params_.size()) {
+      rebuild_in_arrival_order();
+    }
     reset_step();
     if (failed) std::rethrow_exception(failed);
     auto t1 = Trace::clock::now();
@@ -728,6 +781,8 @@ class Reducer {
   bool walked_ = false;
   bool in_finalize_ = false;
   std::size_t launched_now_ = 0, launched_in_backward_ = 0;
+  std::vector<std::size_t> arrival_;  // until the rebuild
+  std::size_t rebuilds_ = 0;
   std::mutex mutex_;
   bool enabled_ = true;
   double last_wait_seconds_ = 0;
