@@ -32,6 +32,7 @@ using train::ShardedEval;
 using train::SqrtScaling;
 using train::Trainer;
 using train::TrainerOptions;
+using train::UnevenInputs;
 
 /// The sampler a parallel policy needs: sharded for multi-process policies,
 /// shuffled otherwise.

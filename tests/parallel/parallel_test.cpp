@@ -755,6 +755,128 @@ DDPKIT_WORKER(bucket_rebuild) {
   return 0;
 }
 
+/// fc1 → tanh → fc2, the same in kJoinCheck's Python.
+struct JoinNetImpl : torch::nn::Cloneable<JoinNetImpl> {
+  JoinNetImpl() {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(12, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 5));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc2(torch::tanh(fc1(x)));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(JoinNet);
+
+/// Rank r's batch s (rank 0 has 2 batches, rank 1 has 3).
+std::pair<torch::Tensor, torch::Tensor> join_batch(int r, int s) {
+  auto gen = at::detail::createCPUGenerator(700 + 10 * r + s);
+  return {torch::randn({kPerRank, 12}, gen),
+          torch::randint(0, 5, {kPerRank}, gen, torch::kLong)};
+}
+
+/// Uneven inputs through join_round: rank 0 runs out after 2 batches,
+/// rank 1 after 3.
+DDPKIT_WORKER(join_uneven) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  torch::manual_seed(90 + r);  // rank 0's init is broadcast
+  JoinNet net;
+  parallel::DDPOptions opts;
+  opts.reducer(one_param_buckets());
+  parallel::DDP::engine<JoinNet> eng(net, g, opts, torch::kCPU);
+  torch::optim::SGD opt(net->parameters(),
+                        torch::optim::SGDOptions(0.1).momentum(0.9));
+  const int have = r == 0 ? 2 : 3;
+  int s = 0, rounds = 0;
+  for (;;) {
+    const bool has = s < have;
+    if (!eng.join_round(has)) break;
+    ++rounds;
+    if (!has) continue;
+    auto [x, y] = join_batch(r, s++);
+    opt.zero_grad();
+    eng.forward_backward(x, y, test::ce_loss);
+    opt.step();
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& p : net->named_parameters()) out.emplace_back(p.key(), p.value());
+  out.emplace_back("rounds", torch::tensor(static_cast<int64_t>(rounds)));
+  test::save_tensors(test::worker_dir() / ("cpp" + std::to_string(r) + ".pt"),
+                     out);
+  if (r == 0) {
+    torch::manual_seed(90);
+    JoinNet init;
+    std::vector<std::pair<std::string, torch::Tensor>> data;
+    for (auto& p : init->named_parameters())
+      data.emplace_back("init." + p.key(), p.value().detach());
+    for (int rr = 0; rr < 2; ++rr) {
+      for (int k = 0; k < 3; ++k) {
+        auto [x, y] = join_batch(rr, k);
+        auto tag = std::to_string(rr) + "_" + std::to_string(k);
+        data.emplace_back("x" + tag, x);
+        data.emplace_back("y" + tag, y);
+      }
+    }
+    test::save_tensors(test::worker_dir() / "data.pt", data);
+  }
+  return 0;
+}
+
+/// PyTorch's DistributedDataParallel under torch.distributed.algorithms.Join
+/// on the same model and batches; compares with each C++ rank.
+const char* const kJoinCheck = R"PY(
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+d = sys.argv[1]
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(12, 16)
+        self.fc2 = torch.nn.Linear(16, 5)
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+def run(rank):
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "rdzv"),
+                            rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    data = torch.load(os.path.join(d, "data.pt"))
+    net = Net()
+    with torch.no_grad():
+        for k, p in net.named_parameters():
+            p.copy_(data["init." + k])
+    ddp = DDP(net, bucket_cap_mb=1e-6)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with Join([ddp]):
+        for s in range(2 if rank == 0 else 3):
+            opt.zero_grad()
+            out = ddp(data[f"x{rank}_{s}"])
+            torch.nn.functional.cross_entropy(out, data[f"y{rank}_{s}"]).backward()
+            opt.step()
+    cpp = torch.load(os.path.join(d, f"cpp{rank}.pt"))
+    worst = 0.0
+    for k, p in net.named_parameters():
+        diff = ((cpp[k] - p.detach()).abs().max() / p.detach().abs().max()).item()
+        print(f"rank {rank} {k}: relative difference {diff:.3g}")
+        worst = max(worst, diff)
+    print(f"rank {rank}: {int(cpp['rounds'].item())} rounds in ddpkit")
+    dist.destroy_process_group()
+    sys.exit(0 if worst <= 1e-5 and int(cpp["rounds"].item()) == 3 else 1)
+
+if __name__ == "__main__":
+    mp.spawn(run, nprocs=2)
+)PY";
+
 DDPKIT_WORKER(mismatched_models) {
   auto g = test::worker_group();
   // Rank 1 builds the model with BatchNorm, rank 0 without.
@@ -1171,6 +1293,17 @@ TEST_SUITE("parallel") {
       MESSAGE("rank ", r, ": max relative difference ", d);
       CHECK(d <= 1e-5);
     }
+  }
+
+  TEST_CASE(
+      "DDP join: ranks with 2 and 3 batches equal PyTorch's Join (its own "
+      "run in Python on the same model and batches)") {
+    TempDir dir;
+    auto res = run_workers("join_uneven", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    const int rc = test::run_python_check(dir.path(), kJoinCheck, dir.str());
+    if (rc != -1) CHECK(rc == 0);
   }
 
   TEST_CASE("DDP: models that differ across ranks fail at construction") {

@@ -592,6 +592,33 @@ DDPKIT_WORKER(uneven_inputs) {
   return fit_or_write_usage_error<UnevenSampling>(g, 96);
 }
 
+/// uneven_inputs(join): rank 0 has 1 batch per epoch, rank 1 has 2; both
+/// finish, with the same model and metrics.
+DDPKIT_WORKER(uneven_join) {
+  auto g = test::worker_group();
+  torch::manual_seed(g.rank());
+  auto d = make_data(96, 10);
+  Trainer<TinyNet, DDP, UnevenSampling, PlainBN> trainer(
+      TinyNet(), adam(),
+      base_options(test::worker_dir() / "out", 2)
+          .verbose(false)
+          .uneven_inputs(UnevenInputs::join),
+      g);
+  auto r = trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                       data::LoaderOptions(16).workers(0));
+  std::vector<std::pair<std::string, torch::Tensor>> state;
+  for (auto& p : trainer.model()->named_parameters())
+    state.emplace_back(p.key(), p.value());
+  test::save_tensors(
+      test::worker_dir() / ("model" + std::to_string(g.rank()) + ".pt"), state);
+  std::ofstream f(test::worker_dir() / ("history" + std::to_string(g.rank())));
+  f.precision(17);
+  for (const auto& e : r.history) {
+    f << e.epoch << " " << e.train_loss << " " << e.val_loss << "\n";
+  }
+  return 0;
+}
+
 DDPKIT_WORKER(dataset_size_mismatch) {
   auto g = test::worker_group();
   // Rank 1 read a dataset of another size (e.g. a folder still being
@@ -626,6 +653,23 @@ TEST_SUITE("train") {
       CHECK(msg.find("rank 1 has 2 batches but rank 0 has 1") !=
             std::string::npos);
     }
+  }
+
+  TEST_CASE(
+      "uneven inputs with uneven_inputs(join): every rank finishes with the "
+      "same model and metrics") {
+    TempDir dir;
+    auto res = run_workers("uneven_join", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    const auto h0 = read_file(dir / "history0"),
+               h1 = read_file(dir / "history1");
+    MESSAGE(h0);
+    CHECK(count_of(h0, "\n") == 2);
+    CHECK(h0 == h1);
+    // Both ranks' parameters, byte for byte (the files hold no names or
+    // paths that differ).
+    CHECK(read_file(dir / "model0.pt") == read_file(dir / "model1.pt"));
   }
 
   TEST_CASE("datasets of different sizes across ranks fail before epoch 1") {

@@ -11,7 +11,9 @@
 #include <torch/torch.h>
 
 #include "ddpkit/concepts.hpp"
+#include "ddpkit/detail/error.hpp"
 #include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/nn/batch_norm.hpp"
 #include "ddpkit/parallel/grad_comm.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
 #include "ddpkit/parallel/reducer.hpp"
@@ -175,6 +177,68 @@ struct BasicDDP {
       return reducer_ ? reducer_->last_wait_seconds() : 0.0;
     }
 
+    /// Uneven inputs, as PyTorch's `Join`: every rank calls this once per
+    /// round, saying whether it has a batch, and stops when it returns
+    /// false. While some ranks still have batches, a rank without one takes
+    /// part in their gradient all-reduces with zeros (so they average over
+    /// the whole world size, PyTorch's default) and skips the step. When
+    /// no rank has a batch left, the model of the last rank to run out (the
+    /// lowest such rank) is broadcast to every rank, so all end identical.
+    /// One one-element all-reduce per round.
+    ///
+    /// ```
+    /// for (;;) {
+    ///   auto batch = batches.next();
+    ///   if (!engine.join_round(batch.has_value())) break;
+    ///   if (!batch) continue;                  // joined: shadowed a step
+    ///   engine.zero_grad();
+    ///   engine.forward_backward(batch->data, batch->target, loss_fn);
+    ///   optimizer.step();
+    /// }
+    /// ```
+    /// Refused (UsageError, on every rank) while a rank has joined if the
+    /// model has synchronised BatchNorm or broadcast_buffers is on: their
+    /// collectives run in forward, which a joined rank does not run.
+    bool join_round(bool has_batch) {
+      if (group_.size() == 1) return has_batch;
+      const auto active =
+          dist::all_reduce_value<int64_t>(group_, has_batch ? 1 : 0);
+      if (active == 0) {
+        const int src = static_cast<int>(dist::all_reduce_value<int64_t>(
+            group_, join_last_active_ ? group_.rank() : group_.size(),
+            dist::Reduce::min));
+        join_last_active_ = false;
+        if (reducer_) reducer_->allow_rebuild(true);
+        if (src < group_.size()) {
+          std::vector<torch::Tensor> state;
+          for (auto& p : as_module(model_).parameters()) state.push_back(p);
+          for (auto& b : as_module(model_).buffers()) state.push_back(b);
+          broadcast_coalesced(group_, state, src);
+        }
+        return false;
+      }
+      if (active < group_.size()) {
+        std::string why;
+        if (opts_.broadcast_buffers()) why = "broadcast_buffers is on";
+        for (auto& m : as_module(model_).modules()) {
+          auto* bn = dynamic_cast<nn::BatchNorm2dImpl*>(m.get());
+          if (bn && bn->is_synchronized()) why = "the model has SyncBatchNorm";
+        }
+        if (!why.empty()) {
+          throw UsageError(ddpkit::detail::cat(
+              "DDP join: ", group_.size() - active, " of ", group_.size(),
+              " ranks have run out of batches, but ", why,
+              ", whose collectives run in forward, which a joined rank does "
+              "not run; give every rank the same number of batches (e.g. "
+              "DistributedSampling) instead"));
+        }
+      }
+      if (reducer_) reducer_->allow_rebuild(active == group_.size());
+      join_last_active_ = has_batch;
+      if (!has_batch && reducer_) reducer_->join_shadow_step();
+      return true;
+    }
+
    private:
     Trace* trace_or_null() {
       return trace_ ? trace_.get() : &null_trace_;
@@ -187,6 +251,7 @@ struct BasicDDP {
     std::unique_ptr<Trace> trace_;
     Trace null_trace_;
     std::unique_ptr<Reducer<Comm>> reducer_;
+    bool join_last_active_ = false;
   };
 };
 

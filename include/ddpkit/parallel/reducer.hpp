@@ -255,6 +255,59 @@ class Reducer {
     walked_ = true;
   }
 
+  /// Uneven inputs (PyTorch's Join): on a rank that has run out of
+  /// batches, takes part in one step of the others: every bucket is
+  /// all-reduced holding zeros (this rank's gradients are zeroed), in the
+  /// same order and with the same strategy as a real step, so the others'
+  /// averages divide by the whole world size, as PyTorch's Join does by
+  /// default (divide_by_initial_world_size).
+  void join_shadow_step() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finish_abandoned();
+    if (state_ == StepState::running) {
+      throw Error("DDP: join_shadow_step() called during a backward");
+    }
+    torch::NoGradGuard no_grad;
+    for (auto& b : buckets_) {
+      b.flat.zero_();
+      b.launch_time = Trace::clock::now();
+      b.work = Comm::start(group_, b.flat, b.scratch);
+      b.launched = true;
+    }
+    torch::Tensor used_by;
+    dist::compat::WorkPtr used_work;
+    if (opts_.find_unused_parameters()) {
+      used_by = torch::zeros({static_cast<int64_t>(params_.size())},
+                             torch::TensorOptions(torch::kInt32)
+                                 .device(group_.device()));
+      used_work = dist::all_reduce_async(group_, used_by);
+    }
+    std::exception_ptr failed;
+    for (auto& b : buckets_) {
+      try {
+        dist::detail::wait(group_, b.work, "gradient all-reduce (joined)");
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+    }
+    if (used_work) {
+      try {
+        dist::detail::wait(group_, used_work, "used-parameter all-reduce");
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+    }
+    reset_step();
+    if (failed) std::rethrow_exception(failed);
+  }
+
+  /// Whether a step that completes now may rebuild the buckets (not while
+  /// some rank has joined: it could not take part in the broadcast).
+  void allow_rebuild(bool allowed) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    rebuild_allowed_ = allowed;
+  }
+
   /// Times the buckets were rebuilt in arrival order (0 before the first
   /// synchronised step completes, then 1; see rebuild_buckets).
   std::size_t rebuilds() const {
@@ -745,6 +798,7 @@ class Reducer {
       }
     }
     if (!failed && opts_.rebuild_buckets() && rebuilds_ == 0 &&
+        rebuild_allowed_ &&
         arrival_.size() == params_.size()) {
       rebuild_in_arrival_order();
     }
@@ -783,6 +837,7 @@ class Reducer {
   std::size_t launched_now_ = 0, launched_in_backward_ = 0;
   std::vector<std::size_t> arrival_;  // until the rebuild
   std::size_t rebuilds_ = 0;
+  bool rebuild_allowed_ = true;
   std::mutex mutex_;
   bool enabled_ = true;
   double last_wait_seconds_ = 0;

@@ -30,6 +30,17 @@ namespace ddpkit::train {
 
 /// What the Trainer does; each field says whether changing it after
 /// construction has effect (all are read at `fit`).
+/// What DDP training does when ranks have different numbers of batches in
+/// an epoch.
+enum class UnevenInputs {
+  /// Fail before the epoch, on every rank, naming the counts (default).
+  refuse,
+  /// PyTorch's Join: ranks that run out keep taking part in the others'
+  /// gradient all-reduces with zeros until every rank is done; the last
+  /// rank to finish broadcasts its model (see BasicDDP::engine::join_round).
+  join,
+};
+
 struct TrainerOptions {
   TORCH_ARG(int, epochs) = 30;
   /// Base learning rate, before the LR-scaling policy and the schedule.
@@ -59,6 +70,8 @@ struct TrainerOptions {
   TORCH_ARG(std::string, run_name) = "ddpkit";
   /// Drop the tail of the training set so every rank has equal batches.
   TORCH_ARG(bool, drop_last) = false;
+  /// Ranks with different batch counts: refuse (default) or join.
+  TORCH_ARG(UnevenInputs, uneven_inputs) = UnevenInputs::refuse;
   /// CUDA only: autocast forward and a dynamic loss scale whose overflow
   /// check is reduced across ranks.
   TORCH_ARG(bool, mixed_precision) = false;

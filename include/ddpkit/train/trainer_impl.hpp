@@ -283,7 +283,15 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
       hooks.on_epoch_begin(epoch);
     module.train();
     auto batches = loader.epoch(indices, static_cast<std::size_t>(epoch));
-    if (multi) {
+    constexpr bool can_join =
+        requires(engine_type & e) { e.join_round(true); };
+    const bool join = multi && options_.uneven_inputs() == UnevenInputs::join;
+    if (join && !can_join) {
+      throw UsageError(ddpkit::detail::cat(
+          "uneven_inputs(join) needs a parallel policy whose engine has "
+          "join_round (DDP's has); this policy's engine has none"));
+    }
+    if (multi && !join) {
       // Uneven inputs would leave the ranks with more batches waiting in a
       // gradient all-reduce nobody else joins: refuse before the epoch.
       auto counts =
@@ -302,7 +310,17 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     progress.begin_epoch(epoch + 1, epochs, batches.size());
     double loss_sum = 0, correct = 0, count = 0;
     std::size_t step = 0;
-    while (auto batch = batches.next()) {
+    for (;;) {
+      auto batch = batches.next();
+      if constexpr (can_join) {
+        if (join) {
+          // Every rank, every round; a rank without a batch shadows the
+          // others' all-reduces inside join_round.
+          if (!engine_.join_round(batch.has_value())) break;
+          if (!batch) continue;
+        }
+      }
+      if (!batch) break;
       torch::Tensor x = batch->data.to(device_, /*non_blocking=*/true);
       torch::Tensor y = batch->target.to(device_, /*non_blocking=*/true);
       engine_.zero_grad();
