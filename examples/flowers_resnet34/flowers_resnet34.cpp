@@ -34,11 +34,13 @@ constexpr double kMomentum = 0.9;
 constexpr double kWeightDecay = 0.005;
 constexpr int kImageSize = 224;
 
-// SyncBN where there are several processes to synchronise, plain BN else.
-using Trainer =
-    ddpkit::Trainer<ddpkit::nn::ResNet, Mode, ddpkit::sampling_for<Mode>,
-                    ddpkit::sync_bn_for<Mode>, ddpkit::LinearScaling,
-                    ddpkit::ShardedEval>;
+// The recipe's --syncBN (default on): a run-time choice between two
+// compile-time Trainer types. SyncBN needs several processes, so the single
+// and dp builds always use plain BN.
+template <class BN>
+using TrainerWith =
+    ddpkit::Trainer<ddpkit::nn::ResNet, Mode, ddpkit::sampling_for<Mode>, BN,
+                    ddpkit::LinearScaling, ddpkit::ShardedEval>;
 
 int main(int argc, char** argv) {
   namespace fs = std::filesystem;
@@ -66,6 +68,11 @@ int main(int argc, char** argv) {
          "state dict to start from (tensors of another shape are skipped)")
       ->check(CLI::ExistingFile);
   app.add_flag("--freeze-layers", freeze_layers, "train only fc");
+  bool sync_bn = true;
+  app.add_flag("--sync-bn,!--no-sync-bn", sync_bn,
+               "synchronise BatchNorm statistics across processes (the "
+               "recipe's --syncBN, default on; ddp build only)")
+      ->capture_default_str();
   bool no_augment = false;
   app.add_flag("--no-augment", no_augment,
                "train on the evaluation transform (resize, centre crop): no "
@@ -167,27 +174,31 @@ int main(int argc, char** argv) {
                         .weights_pattern("weights/model-{epoch}.pt")
                         .mixed_precision(args.amp)
                         .run_name("flowers-resnet34");
-        Trainer trainer(
-            model,
-            [](std::vector<torch::Tensor> params) {
-              std::vector<torch::Tensor> trainable;
-              for (auto& p : params) {
-                if (p.requires_grad()) trainable.push_back(p);
-              }
-              return std::make_unique<torch::optim::SGD>(
-                  trainable, torch::optim::SGDOptions(kLr)
-                                 .momentum(kMomentum)
-                                 .weight_decay(kWeightDecay));
-            },
-            opts, group, ddpkit::parallel_options<Mode>(args.devices));
+        auto make_optimizer = [](std::vector<torch::Tensor> params) {
+          std::vector<torch::Tensor> trainable;
+          for (auto& p : params) {
+            if (p.requires_grad()) trainable.push_back(p);
+          }
+          return std::make_unique<torch::optim::SGD>(
+              trainable, torch::optim::SGDOptions(kLr)
+                             .momentum(kMomentum)
+                             .weight_decay(kWeightDecay));
+        };
         auto loader =
             ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
         ddpkit::data::ImageNetTrain train_tf;
         train_tf.options.size(image_size).augment(!no_augment);
         ddpkit::data::ImageNetEval eval_tf;
         eval_tf.size = image_size;
-        auto result =
-            trainer.fit(folder.train, folder.val, train_tf, eval_tf, loader);
+        auto fit = [&]<class BN>() {
+          TrainerWith<BN> trainer(model, make_optimizer, opts, group,
+                                  ddpkit::parallel_options<Mode>(args.devices));
+          return trainer.fit(folder.train, folder.val, train_tf, eval_tf,
+                             loader);
+        };
+        const auto result =
+            sync_bn ? fit.template operator()<ddpkit::sync_bn_for<Mode>>()
+                    : fit.template operator()<ddpkit::PlainBN>();
         if (group.is_main() && !args.quiet) {
           std::printf(
               "done: %d epochs, best val_acc %.4f (epoch %d), %.1f s; outputs "

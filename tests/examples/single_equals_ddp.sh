@@ -14,6 +14,10 @@
 # 2026-12-01). The bound still catches what breaks equivalence: an lr not
 # scaled by the world size (50%), other samples per rank, per-rank BN. It
 # compares one step: after three, rounding has grown to 35% here too.
+#
+# Then DDP again with --no-sync-bn: per-rank BN statistics must make the
+# update differ by more than MAX_REL (the flag reaches the model), and its
+# summary.json must say plain BN.
 set -euo pipefail
 out=$1 single=$2 ddp=$3 args=$4 batch=$5 lr=$6 max_rel=$7
 source "$(dirname "$0")/torch_python.sh"
@@ -23,7 +27,8 @@ half_lr=$(awk -v l="$lr" 'BEGIN { printf "%.10g", l / 2 }')
 "$single" --out "$out/init" --batch-size "$batch" --lr 1e-30 "${extra[@]}"
 "$single" --out "$out/single" --batch-size "$batch" --lr "$lr" "${extra[@]}"
 "$ddp" --out "$out/ddp" --world-size 2 --batch-size $((batch / 2)) --lr "$half_lr" "${extra[@]}"
-"$py" - "$out/init/weights/model-0.pt" "$out/single/weights/model-0.pt" "$out/ddp/weights/model-0.pt" "$max_rel" <<'PY'
+compare() {
+  "$py" - "$out/init/weights/model-0.pt" "$out/single/weights/model-0.pt" "$out/$1/weights/model-0.pt" "$max_rel" "$2" <<'PY'
 import sys, torch
 w0, a, b = (torch.load(p) for p in sys.argv[1:4])
 assert list(a) == list(b) == list(w0), "different keys"
@@ -31,8 +36,16 @@ keys = [k for k in a if a[k].is_floating_point() and "running" not in k]
 flat = lambda sd: torch.cat([sd[k].double().flatten() for k in keys])
 da, db = flat(a) - flat(w0), flat(b) - flat(w0)
 rel = ((da - db).norm() / da.norm()).item()
-print(f"single (batch 2B) vs DDP world 2 (batch B): updates differ by {rel:.3e} "
-      f"(relative L2 over {len(keys)} parameters; limit {sys.argv[4]}); "
-      f"update size {da.norm().item():.3e}")
-sys.exit(0 if da.norm() > 0 and rel <= float(sys.argv[4]) else 1)
+want = sys.argv[5]
+print(f"single (batch 2B) vs {sys.argv[3].split('/')[-3]} world 2 (batch B): updates "
+      f"differ by {rel:.3e} (relative L2 over {len(keys)} parameters; must be "
+      f"{'<=' if want == 'same' else '>'} {sys.argv[4]}); update size {da.norm().item():.3e}")
+ok = rel <= float(sys.argv[4]) if want == "same" else rel > float(sys.argv[4])
+sys.exit(0 if da.norm() > 0 and ok else 1)
 PY
+}
+compare ddp same
+"$ddp" --out "$out/ddp-nosync" --world-size 2 --batch-size $((batch / 2)) --lr "$half_lr" --no-sync-bn "${extra[@]}"
+grep -q '"bn": "syncbn"' "$out/ddp/summary.json" || { echo "ddp run: summary.json does not say syncbn"; exit 1; }
+grep -q '"bn": "bn"' "$out/ddp-nosync/summary.json" || { echo "--no-sync-bn run: summary.json does not say plain BN (\"bn\": \"bn\")"; exit 1; }
+compare ddp-nosync differ
