@@ -62,16 +62,26 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
       return cuda_forward(ctx, x, weight, bias, running_mean, running_var, eps,
                           momentum, g, local_n);
     }
-    auto xd = x.to(torch::kFloat64);
-    auto local_mean =
-        local_n > 0 ? xd.mean(dims) : torch::zeros({C}, xd.options());
-    auto local_m2 =
-        local_n > 0 ? (xd - per_channel(local_mean, x.dim())).pow(2).sum(dims)
-                    : torch::zeros({C}, xd.options());
+    // Per-rank statistics without a float64 copy of the activation: one
+    // Welford pass (var_mean accumulates float in double on the CPU), in
+    // float32 for half/bfloat16 input, then merged across ranks in float64.
+    const auto cdt =
+        x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+    const auto xc = x.scalar_type() == cdt ? x : x.to(cdt);
+    torch::Tensor local_mean, local_m2;
+    if (local_n > 0) {
+      auto [v, m] = torch::var_mean(xc, dims, /*unbiased=*/false);
+      local_mean = m.to(torch::kFloat64);
+      local_m2 = v.to(torch::kFloat64) * local_n;
+    } else {
+      local_mean = torch::zeros({C}, xc.options().dtype(torch::kFloat64));
+      local_m2 = torch::zeros({C}, xc.options().dtype(torch::kFloat64));
+    }
     // [count, mean(C), M2(C)] per rank.
-    auto packed = torch::cat({torch::full({1}, local_n, xd.options()),
-                              local_mean, local_m2})
-                      .to(g.device());
+    auto packed =
+        torch::cat({torch::full({1}, local_n, local_mean.options()),
+                    local_mean, local_m2})
+            .to(g.device());
     auto all = torch::stack(dist::all_gather(g, packed)).to(x.device());
     auto counts = all.select(1, 0);      // [W]
     auto means = all.narrow(1, 1, C);    // [W, C]
@@ -94,13 +104,16 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
       running_var.mul_(1 - momentum)
           .add_((m2 / (total - 1)).to(running_var.dtype()), momentum);
     }
-    auto mean_f = per_channel(mean, x.dim()).to(x.dtype());
-    auto invstd_f = per_channel(invstd, x.dim()).to(x.dtype());
-    auto xhat = (x - mean_f) * invstd_f;
-    auto y = xhat;
-    if (weight.defined()) y = y * per_channel(weight, x.dim());
-    if (bias.defined()) y = y + per_channel(bias, x.dim());
-    ctx->save_for_backward({x, weight, mean, invstd});
+    // Normalise with the global statistics in one fused pass (batch norm
+    // in inference form).
+    auto mean_c = mean.to(cdt), var_c = var.to(cdt);
+    auto y = torch::batch_norm(
+        xc, weight.defined() ? weight.to(cdt) : weight,
+        bias.defined() ? bias.to(cdt) : bias, mean_c, var_c,
+        /*training=*/false, 0.0, eps, /*cudnn_enabled=*/false);
+    if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+    ctx->save_for_backward({x, weight, mean, invstd, mean_c, var_c});
+    ctx->saved_data["eps"] = eps;
     ctx->saved_data["total"] = total;
     return y;
   }
@@ -182,13 +195,22 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     if (saved[0].is_cuda()) return cuda_backward(saved, grads[0], g, has_bias);
     auto x = saved[0], weight = saved[1], mean = saved[2], invstd = saved[3];
+    auto mean_c = saved[4], var_c = saved[5];
     const double total = ctx->saved_data["total"].toDouble();
-    auto dy = grads[0].to(torch::kFloat64);
-    const auto dims = reduce_dims(x);
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const auto cdt = mean_c.scalar_type();
+    const auto xc = x.scalar_type() == cdt ? x : x.to(cdt);
+    const auto dy = grads[0].scalar_type() == cdt ? grads[0]
+                                                   : grads[0].to(cdt);
     const int64_t C = x.size(1);
-    auto xmu = x.to(torch::kFloat64) - per_channel(mean, x.dim());
-    auto sum_dy = dy.sum(dims);
-    auto sum_dy_xmu = (dy * xmu).sum(dims);
+    // Σdy and Σdy·(x−μ) in one fused pass: the inference-form batch-norm
+    // backward with the global μ and σ² gives Σdy as the bias gradient and
+    // Σdy·(x−μ)·invstd as the weight gradient.
+    auto parts = torch::native_batch_norm_backward(
+        dy, xc, torch::Tensor(), mean_c, var_c, torch::Tensor(),
+        torch::Tensor(), /*train=*/false, eps, {false, true, true});
+    auto sum_dy = std::get<2>(parts).to(torch::kFloat64);
+    auto sum_dy_xmu = std::get<1>(parts).to(torch::kFloat64) / invstd;
     // Weight and bias gradients stay local: DDP averages them like any
     // other parameter.
     torch::Tensor grad_weight, grad_bias;
@@ -201,11 +223,16 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     both = both.to(x.device());
     auto mean_dy = both.narrow(0, 0, C) / total;
     auto mean_dy_xmu = both.narrow(0, C, C) / total;
-    auto scale =
-        weight.defined() ? invstd * weight.to(torch::kFloat64) : invstd;
-    auto dx = (dy - per_channel(mean_dy, x.dim()) -
-               xmu * per_channel(invstd * invstd * mean_dy_xmu, x.dim())) *
-              per_channel(scale, x.dim());
+    // dx = (dy − mean_dy − (x−μ)·invstd²·mean_dy_xmu)·invstd·w
+    //    = dy·a + x·b + c per channel (coefficients in float64).
+    auto wd = weight.defined() ? weight.to(torch::kFloat64)
+                               : torch::ones_like(invstd);
+    auto a = invstd * wd;
+    auto b = -invstd * invstd * mean_dy_xmu * a;
+    auto c = (mean * invstd * invstd * mean_dy_xmu - mean_dy) * a;
+    auto dx = dy * per_channel(a.to(cdt), x.dim());
+    dx.addcmul_(xc, per_channel(b.to(cdt), x.dim()));
+    dx.add_(per_channel(c.to(cdt), x.dim()));
     return {dx.to(x.dtype()), grad_weight,     grad_bias,
             torch::Tensor(),  torch::Tensor(), torch::Tensor(),
             torch::Tensor(),  torch::Tensor()};
