@@ -71,8 +71,7 @@ int main(int argc, char** argv) {
   bool sync_bn = true;
   app.add_flag("--sync-bn,!--no-sync-bn", sync_bn,
                "synchronise BatchNorm statistics across processes (the "
-               "recipe's --syncBN, default on; ddp build only)")
-      ->capture_default_str();
+               "recipe's --syncBN; on unless --no-sync-bn; ddp build only)");
   bool no_augment = false;
   app.add_flag("--no-augment", no_augment,
                "train on the evaluation transform (resize, centre crop): no "
