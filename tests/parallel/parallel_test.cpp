@@ -514,6 +514,68 @@ DDPKIT_WORKER(ready_twice) {
   return 0;
 }
 
+/// Writes DIR/cpp<rank>.pt: this rank's parameters by name, plus `extra`,
+/// for a Python script to compare.
+void save_for_python_check(
+    const dist::Group& g, torch::nn::Module& net,
+    std::vector<std::pair<std::string, torch::Tensor>> extra = {}) {
+  for (auto& p : net.named_parameters()) extra.emplace_back(p.key(), p.value());
+  test::save_tensors(
+      test::worker_dir() / ("cpp" + std::to_string(g.rank()) + ".pt"), extra);
+}
+
+/// Writes DIR/data.pt for a Python script to rerun a C++ run: `init`'s
+/// parameters as "init.<name>", and batch(a, b) as "x<a>_<b>", "y<a>_<b>"
+/// for a < na, b < nb.
+template <class Batch>
+void save_init_and_batches(torch::nn::Module& init, int na, int nb,
+                           Batch batch) {
+  std::vector<std::pair<std::string, torch::Tensor>> data;
+  for (auto& p : init.named_parameters())
+    data.emplace_back("init." + p.key(), p.value().detach());
+  for (int a = 0; a < na; ++a) {
+    for (int b = 0; b < nb; ++b) {
+      auto [x, y] = batch(a, b);
+      auto tag = std::to_string(a) + "_" + std::to_string(b);
+      data.emplace_back("x" + tag, x);
+      data.emplace_back("y" + tag, y);
+    }
+  }
+  test::save_tensors(test::worker_dir() / "data.pt", data);
+}
+
+/// The start of the Python checks: a gloo group of 2 through a file in
+/// DIR (argv[1]), DIR/data.pt loaded, `net`'s parameters set from it.
+const char* const kPythonDdpPrelude = R"PY(
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+d = sys.argv[1]
+
+def setup(rank, net):
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "rdzv"),
+                            rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    data = torch.load(os.path.join(d, "data.pt"))
+    with torch.no_grad():
+        for k, p in net.named_parameters():
+            p.copy_(data["init." + k])
+    return data
+
+def compare(rank, net):
+    """The largest relative difference to what C++ rank `rank` wrote."""
+    cpp = torch.load(os.path.join(d, f"cpp{rank}.pt"))
+    worst = 0.0
+    for k, p in net.named_parameters():
+        diff = ((cpp[k] - p.detach()).abs().max() / p.detach().abs().max()).item()
+        print(f"rank {rank} {k}: relative difference {diff:.3g}")
+        worst = max(worst, diff)
+    return cpp, worst
+)PY";
+
 /// fc1 → [c] → fc2 (+ a): `a` is used when `use_a` is set, `c` when
 /// `use_c` is, `b` never. The same module in Python is in kUnusedCheck.
 struct PatternNetImpl : torch::nn::Cloneable<PatternNetImpl> {
@@ -587,30 +649,16 @@ DDPKIT_WORKER(unused_pattern) {
     overlapped += eng.reducer()->buckets_launched_in_backward();
     opt.step();
   }
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (auto& p : net->named_parameters()) out.emplace_back(p.key(), p.value());
-  out.emplace_back("b_grad_defined",
-                   torch::tensor(net->b->weight.grad().defined() ? 1 : 0));
+  save_for_python_check(
+      g, *net,
+      {{"b_grad_defined",
+        torch::tensor(net->b->weight.grad().defined() ? 1 : 0)}});
   std::ofstream(test::worker_dir() / ("overlap" + std::to_string(r)))
       << eng.reducer()->buckets().size() << " " << overlapped;
-  test::save_tensors(test::worker_dir() / ("cpp" + std::to_string(r) + ".pt"),
-                     out);
-  // The same model and data for the Python side (rank 0 writes them).
   if (r == 0) {
     torch::manual_seed(77);
     PatternNet init;
-    std::vector<std::pair<std::string, torch::Tensor>> data;
-    for (auto& p : init->named_parameters())
-      data.emplace_back("init." + p.key(), p.value().detach());
-    for (int s = 0; s < kPatternSteps; ++s) {
-      for (int m = 0; m < 2; ++m) {
-        auto [x, y] = pattern_batch(s, m);
-        auto tag = std::to_string(s) + "_" + std::to_string(m);
-        data.emplace_back("x" + tag, x);
-        data.emplace_back("y" + tag, y);
-      }
-    }
-    test::save_tensors(test::worker_dir() / "data.pt", data);
+    save_init_and_batches(*init, kPatternSteps, 2, pattern_batch);
   }
   return 0;
 }
@@ -618,13 +666,6 @@ DDPKIT_WORKER(unused_pattern) {
 /// PyTorch's DistributedDataParallel (gloo, 2 processes) on the same model,
 /// data and pattern; compares with what each C++ rank wrote.
 const char* const kUnusedCheck = R"PY(
-import os, sys
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-d = sys.argv[1]
 STEPS = int(sys.argv[2])
 
 class Net(torch.nn.Module):
@@ -645,14 +686,8 @@ class Net(torch.nn.Module):
         return out + self.a(h) if self.use_a else out
 
 def run(rank):
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "rdzv"),
-                            rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    data = torch.load(os.path.join(d, "data.pt"))
     net = Net()
-    with torch.no_grad():
-        for k, p in net.named_parameters():
-            p.copy_(data["init." + k])
+    data = setup(rank, net)
     ddp = DDP(net, find_unused_parameters=True, bucket_cap_mb=1e-6)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     for s in range(STEPS):
@@ -668,13 +703,7 @@ def run(rank):
             else:
                 (torch.nn.functional.cross_entropy(ddp(x), y) / 2).backward()
         opt.step()
-    cpp = torch.load(os.path.join(d, f"cpp{rank}.pt"))
-    worst = 0.0
-    for k, p in net.named_parameters():
-        diff = ((cpp[k] - p.detach()).abs().max() / p.detach().abs().max()).item()
-        moved = (p.detach() - data["init." + k]).abs().max().item()
-        print(f"rank {rank} {k}: relative difference {diff:.3g} (moved {moved:.3g})")
-        worst = max(worst, diff)
+    cpp, worst = compare(rank, net)
     b_none = net.b.weight.grad is None
     print(f"rank {rank}: b.grad is None in PyTorch: {b_none}; defined in ddpkit: "
           f"{bool(cpp['b_grad_defined'].item())}")
@@ -802,26 +831,12 @@ DDPKIT_WORKER(join_uneven) {
     eng.forward_backward(x, y, test::ce_loss);
     opt.step();
   }
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (auto& p : net->named_parameters()) out.emplace_back(p.key(), p.value());
-  out.emplace_back("rounds", torch::tensor(static_cast<int64_t>(rounds)));
-  test::save_tensors(test::worker_dir() / ("cpp" + std::to_string(r) + ".pt"),
-                     out);
+  save_for_python_check(
+      g, *net, {{"rounds", torch::tensor(static_cast<int64_t>(rounds))}});
   if (r == 0) {
     torch::manual_seed(90);
     JoinNet init;
-    std::vector<std::pair<std::string, torch::Tensor>> data;
-    for (auto& p : init->named_parameters())
-      data.emplace_back("init." + p.key(), p.value().detach());
-    for (int rr = 0; rr < 2; ++rr) {
-      for (int k = 0; k < 3; ++k) {
-        auto [x, y] = join_batch(rr, k);
-        auto tag = std::to_string(rr) + "_" + std::to_string(k);
-        data.emplace_back("x" + tag, x);
-        data.emplace_back("y" + tag, y);
-      }
-    }
-    test::save_tensors(test::worker_dir() / "data.pt", data);
+    save_init_and_batches(*init, 2, 3, join_batch);
   }
   return 0;
 }
@@ -829,14 +844,7 @@ DDPKIT_WORKER(join_uneven) {
 /// PyTorch's DistributedDataParallel under torch.distributed.algorithms.Join
 /// on the same model and batches; compares with each C++ rank.
 const char* const kJoinCheck = R"PY(
-import os, sys
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.join import Join
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-d = sys.argv[1]
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -847,14 +855,8 @@ class Net(torch.nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 def run(rank):
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "rdzv"),
-                            rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    data = torch.load(os.path.join(d, "data.pt"))
     net = Net()
-    with torch.no_grad():
-        for k, p in net.named_parameters():
-            p.copy_(data["init." + k])
+    data = setup(rank, net)
     ddp = DDP(net, bucket_cap_mb=1e-6)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     with Join([ddp]):
@@ -863,12 +865,7 @@ def run(rank):
             out = ddp(data[f"x{rank}_{s}"])
             torch.nn.functional.cross_entropy(out, data[f"y{rank}_{s}"]).backward()
             opt.step()
-    cpp = torch.load(os.path.join(d, f"cpp{rank}.pt"))
-    worst = 0.0
-    for k, p in net.named_parameters():
-        diff = ((cpp[k] - p.detach()).abs().max() / p.detach().abs().max()).item()
-        print(f"rank {rank} {k}: relative difference {diff:.3g}")
-        worst = max(worst, diff)
+    cpp, worst = compare(rank, net)
     print(f"rank {rank}: {int(cpp['rounds'].item())} rounds in ddpkit")
     dist.destroy_process_group()
     sys.exit(0 if worst <= 1e-5 and int(cpp["rounds"].item()) == 3 else 1)
@@ -1262,7 +1259,7 @@ TEST_SUITE("parallel") {
       CHECK(launched >= kPatternSteps * (buckets - 1));
     }
     const int rc = test::run_python_check(
-        dir.path(), kUnusedCheck,
+        dir.path(), std::string(kPythonDdpPrelude) + kUnusedCheck,
         dir.str() + " " + std::to_string(kPatternSteps));
     if (rc != -1) CHECK(rc == 0);
   }
@@ -1302,7 +1299,8 @@ TEST_SUITE("parallel") {
     auto res = run_workers("join_uneven", 2, dir.str());
     CAPTURE(res.message);
     REQUIRE(res.ok());
-    const int rc = test::run_python_check(dir.path(), kJoinCheck, dir.str());
+    const int rc = test::run_python_check(
+        dir.path(), std::string(kPythonDdpPrelude) + kJoinCheck, dir.str());
     if (rc != -1) CHECK(rc == 0);
   }
 
