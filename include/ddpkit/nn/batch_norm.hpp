@@ -214,11 +214,9 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     auto sum_dy = std::get<2>(parts).to(torch::kFloat64);
     auto sum_dy_xmu = std::get<1>(parts).to(torch::kFloat64) / invstd;
     // Weight and bias gradients stay local: DDP averages them like any
-    // other parameter.
+    // other parameter. The weight's is the kernel's Σdy·(x−μ)·invstd.
     torch::Tensor grad_weight, grad_bias;
-    if (weight.defined()) {
-      grad_weight = (sum_dy_xmu * invstd).to(weight.dtype());
-    }
+    if (weight.defined()) grad_weight = std::get<1>(parts).to(weight.dtype());
     if (has_bias) grad_bias = sum_dy.to(x.dtype());
     auto both = torch::cat({sum_dy, sum_dy_xmu}).to(g.device());
     dist::all_reduce(g, both);

@@ -57,10 +57,7 @@ struct BasicDDP {
       m.to(device_);
       verify_same_structure(group_, m);
       // Ranks that initialised differently start identical.
-      std::vector<torch::Tensor> state;
-      for (auto& p : m.parameters()) state.push_back(p);
-      for (auto& b : m.buffers()) state.push_back(b);
-      broadcast_coalesced(group_, state, 0);
+      broadcast_state(0);
       if (!opts_.trace_path().empty()) {
         std::string path = opts_.trace_path();
         auto at = path.find("{rank}");
@@ -209,12 +206,7 @@ struct BasicDDP {
             dist::Reduce::min));
         join_last_active_ = false;
         if (reducer_) reducer_->allow_rebuild(true);
-        if (src < group_.size()) {
-          std::vector<torch::Tensor> state;
-          for (auto& p : as_module(model_).parameters()) state.push_back(p);
-          for (auto& b : as_module(model_).buffers()) state.push_back(b);
-          broadcast_coalesced(group_, state, src);
-        }
+        if (src < group_.size()) broadcast_state(src);
         return false;
       }
       if (active < group_.size()) {
@@ -240,6 +232,15 @@ struct BasicDDP {
     }
 
    private:
+    // Every parameter and buffer from rank `src` to all ranks.
+    void broadcast_state(int src) {
+      auto& m = as_module(model_);
+      std::vector<torch::Tensor> state;
+      for (auto& p : m.parameters()) state.push_back(p);
+      for (auto& b : m.buffers()) state.push_back(b);
+      broadcast_coalesced(group_, state, src);
+    }
+
     Trace* trace_or_null() {
       return trace_ ? trace_.get() : &null_trace_;
     }

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_set>
 #include <vector>
 
@@ -252,7 +253,6 @@ class Reducer {
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (!seen.count(accumulators_[i].get())) expect_unused_.push_back(i);
     }
-    walked_ = true;
   }
 
   /// Uneven inputs (PyTorch's Join): on a rank that has run out of
@@ -274,28 +274,16 @@ class Reducer {
       b.work = Comm::start(group_, b.flat, b.scratch);
       b.launched = true;
     }
-    torch::Tensor used_by;
     dist::compat::WorkPtr used_work;
     if (opts_.find_unused_parameters()) {
-      used_by = torch::zeros({static_cast<int64_t>(params_.size())},
-                             torch::TensorOptions(torch::kInt32)
-                                 .device(group_.device()));
-      used_work = dist::all_reduce_async(group_, used_by);
+      used_work = start_used_flags(nullptr).second;
     }
     std::exception_ptr failed;
     for (auto& b : buckets_) {
-      try {
-        dist::detail::wait(group_, b.work, "gradient all-reduce (joined)");
-      } catch (...) {
-        if (!failed) failed = std::current_exception();
-      }
+      wait_keeping_first(b.work, "gradient all-reduce (joined)", failed);
     }
     if (used_work) {
-      try {
-        dist::detail::wait(group_, used_work, "used-parameter all-reduce");
-      } catch (...) {
-        if (!failed) failed = std::current_exception();
-      }
+      wait_keeping_first(used_work, "used-parameter all-reduce", failed);
     }
     reset_step();
     if (failed) std::rethrow_exception(failed);
@@ -440,19 +428,14 @@ class Reducer {
   // point): rank 0's arrival order is broadcast and the buckets are rebuilt
   // in it; each gradient moves into its new bucket view.
   void rebuild_in_arrival_order() {
-    const auto n = static_cast<int64_t>(params_.size());
-    auto order_t = torch::empty({n}, torch::kLong);
-    for (int64_t k = 0; k < n; ++k) {
-      order_t[k] = static_cast<int64_t>(arrival_[static_cast<std::size_t>(k)]);
-    }
+    auto order_t =
+        torch::tensor(std::vector<int64_t>(arrival_.begin(), arrival_.end()),
+                      torch::kLong);
     if (!group_.device().is_cpu()) order_t = order_t.to(group_.device());
     dist::broadcast(group_, order_t, 0);
     order_t = order_t.cpu();
-    std::vector<std::size_t> order(params_.size());
-    for (int64_t k = 0; k < n; ++k) {
-      order[static_cast<std::size_t>(k)] =
-          static_cast<std::size_t>(order_t[k].item<int64_t>());
-    }
+    const auto* o = order_t.data_ptr<int64_t>();
+    const std::vector<std::size_t> order(o, o + order_t.numel());
     std::vector<torch::Tensor> grads;
     for (auto& p : params_) grads.push_back(p.grad());
     build_buckets(order);
@@ -563,7 +546,6 @@ class Reducer {
     std::fill(was_undefined_.begin(), was_undefined_.end(), 0);
     expect_unused_.clear();
     arrival_.clear();
-    walked_ = false;
   }
 
   // A step is abandoned when it is running but the graph task that held
@@ -573,21 +555,55 @@ class Reducer {
     return state_ == StepState::running && callback_token_.expired();
   }
 
+  // Waits for `work`; a failure is kept in `failed` unless an earlier one
+  // is, so callers wait for everything they started (nothing stays in
+  // flight) and report the first error. True when it completed.
+  bool wait_keeping_first(const dist::compat::WorkPtr& work, const char* what,
+                          std::exception_ptr& failed) {
+    try {
+      dist::detail::wait(group_, work, what);
+      return true;
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+      return false;
+    }
+  }
+
+  // Starts the all-reduce of one used-flag per parameter (`used`: this
+  // rank's flags, or null for all zero), after every bucket, at the same
+  // point on every rank.
+  std::pair<torch::Tensor, dist::compat::WorkPtr> start_used_flags(
+      const std::vector<uint8_t>* used) {
+    auto flags = torch::zeros({static_cast<int64_t>(params_.size())},
+                              torch::kInt32);
+    if (used) {
+      auto* f = flags.data_ptr<int32_t>();
+      for (std::size_t i = 0; i < used->size(); ++i) f[i] = (*used)[i];
+    }
+    if (!group_.device().is_cpu()) flags = flags.to(group_.device());
+    auto work = dist::all_reduce_async(group_, flags);
+    return {flags, work};
+  }
+
   // Waits for every launched bucket, then resets. Returns the first
   // failure's message (empty when every bucket completed).
   std::string drain_and_reset() {
-    std::string error;
+    std::exception_ptr failed;
     if (state_ == StepState::running) ++abandoned_steps_;
     for (auto& b : buckets_) {
-      if (!b.launched || !b.work) continue;
-      try {
-        dist::detail::wait(group_, b.work, "gradient all-reduce");
-      } catch (const std::exception& e) {
-        if (error.empty()) error = e.what();
+      if (b.launched && b.work) {
+        wait_keeping_first(b.work, "gradient all-reduce", failed);
       }
     }
     reset_step();
-    return error;
+    if (!failed) return {};
+    try {
+      std::rethrow_exception(failed);
+    } catch (const std::exception& e) {
+      return e.what();
+    } catch (...) {
+      return "unknown error";
+    }
   }
 
   void finish_abandoned() {
@@ -663,8 +679,8 @@ class Reducer {
     }
     if (ready_[i]) {
       const bool walked_past =
-          walked_ && std::find(expect_unused_.begin(), expect_unused_.end(),
-                               i) != expect_unused_.end();
+          std::find(expect_unused_.begin(), expect_unused_.end(), i) !=
+          expect_unused_.end();
       throw Error(ddpkit::detail::cat(
           "DDP: parameter ", names_[i],
           " was marked ready twice in one backward: its gradient was "
@@ -751,10 +767,7 @@ class Reducer {
     torch::Tensor used_by;
     dist::compat::WorkPtr used_work;
     if (opts_.find_unused_parameters()) {
-      used_by = torch::tensor(std::vector<int32_t>(used_.begin(), used_.end()),
-                              torch::kInt32);
-      if (!group_.device().is_cpu()) used_by = used_by.to(group_.device());
-      used_work = dist::all_reduce_async(group_, used_by);
+      std::tie(used_by, used_work) = start_used_flags(&used_);
     }
     // Wait for every bucket; the averages land in place, in .grad. After a
     // failure the rest are still waited for (a broken channel fails them at
@@ -769,32 +782,23 @@ class Reducer {
         }
         continue;
       }
-      try {
-        dist::detail::wait(group_, b.work, "gradient all-reduce");
-      } catch (...) {
-        if (!failed) failed = std::current_exception();
-        continue;
-      }
+      if (!wait_keeping_first(b.work, "gradient all-reduce", failed)) continue;
       Comm::finish(b.flat, b.scratch);
       if (trace_) {
         trace_->record("allreduce bucket " + std::to_string(bi), b.launch_time,
                        Trace::clock::now(), 1);
       }
     }
-    if (used_work) {
-      try {
-        dist::detail::wait(group_, used_work, "used-parameter all-reduce");
-        // Unused on every rank: its gradient stays as it was before the
-        // step (undefined stays undefined).
-        auto counts = used_by.cpu();
-        const auto* c = counts.data_ptr<int32_t>();
-        for (std::size_t i = 0; i < params_.size(); ++i) {
-          if (c[i] == 0 && was_undefined_[i]) {
-            params_[i].mutable_grad() = torch::Tensor();
-          }
+    if (used_work &&
+        wait_keeping_first(used_work, "used-parameter all-reduce", failed)) {
+      // Unused on every rank: its gradient stays as it was before the step
+      // (undefined stays undefined).
+      auto counts = used_by.cpu();
+      const auto* c = counts.data_ptr<int32_t>();
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        if (c[i] == 0 && was_undefined_[i]) {
+          params_[i].mutable_grad() = torch::Tensor();
         }
-      } catch (...) {
-        if (!failed) failed = std::current_exception();
       }
     }
     if (!failed && opts_.rebuild_buckets() && rebuilds_ == 0 &&
@@ -832,7 +836,6 @@ class Reducer {
   // micro-steps included); .grad was undefined before this step bound it.
   std::vector<uint8_t> used_, was_undefined_;
   std::vector<std::size_t> expect_unused_;  // from the graph walk
-  bool walked_ = false;
   bool in_finalize_ = false;
   std::size_t launched_now_ = 0, launched_in_backward_ = 0;
   std::vector<std::size_t> arrival_;  // until the rebuild
