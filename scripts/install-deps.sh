@@ -13,6 +13,7 @@
 #   DDPKIT_TORCH_VERSION   torch version for it (default 2.11.0; torchvision
 #                          DDPKIT_TORCHVISION_VERSION, default 0.26.0)
 #   DDPKIT_WITH_VENV=0     Debian packages only
+#   DDPKIT_VENV_FREE_GB=N  free space required before installing (default 9)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,8 +50,21 @@ PY
 then
   exit 0
 fi
-echo "ddpkit: installing torch==$torch_v and torchvision==$vision_v from PyPI into $venv (about 3 GB)" >&2
+# The wheels take about 3 GB to download and 5 GB installed; pip unpacks
+# them through its temporary folder. Without room pip fails deep inside a
+# traceback ("No space left on device"), so say it first, plainly.
+need_gb=${DDPKIT_VENV_FREE_GB:-9}
+mkdir -p "$(dirname "$venv")"
+for where in "$(dirname "$venv")" "${TMPDIR:-/tmp}"; do
+  free_gb=$(df -P -k "$where" | awk 'NR == 2 { print int($4 / 1048576) }')
+  if ((free_gb < need_gb)); then
+    echo "ddpkit: installing torch==$torch_v needs about $need_gb GB free in $where (for $venv and pip's downloads); it has $free_gb GB. Free some space (or point TMPDIR / DDPKIT_VENV elsewhere) and run this again." >&2
+    exit 1
+  fi
+done
+echo "ddpkit: installing torch==$torch_v and torchvision==$vision_v from PyPI into $venv (about 3 GB to download, 5 GB installed)" >&2
 [[ -x "$venv/bin/python3" ]] || python3 -m venv "$venv"
+# --no-cache-dir: pip's HTTP cache would keep a second copy of every wheel.
 "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check \
-  "torch==$torch_v" "torchvision==$vision_v"
+  --no-cache-dir "torch==$torch_v" "torchvision==$vision_v"
 "$venv/bin/python3" -c "import torch; print('ddpkit: PyTorch', torch.__version__, 'in $venv')" >&2
