@@ -189,21 +189,15 @@ inline Args take_own_flags(int& argc, char** argv,
 
 namespace ddpkit_bench {
 
-/// A communication strategy that sends nothing: the reducer still hooks
-/// every gradient, copies it into its bucket and writes the bucket back, so
-/// a step with it costs exactly the reducer's own bookkeeping.
+/// A communication hook that sends nothing: the reducer still hooks every
+/// gradient into its bucket and hands each bucket to the hook, so a step
+/// with it costs exactly the reducer's own bookkeeping.
 struct NullComm {
   static constexpr const char* name = "none";
-  struct DoneWork : c10d::Work {
-    DoneWork() {
-      finish();
-    }
-  };
-  static ddpkit::dist::compat::WorkPtr start(const ddpkit::dist::Group&,
-                                             torch::Tensor&, torch::Tensor&) {
-    return c10::make_intrusive<DoneWork>();
+  ddpkit::parallel::CommFuture run(const ddpkit::dist::Group&,
+                                   ddpkit::parallel::GradBucket&) {
+    return {};
   }
-  static void finish(torch::Tensor&, torch::Tensor&) {}
 };
 
 /// The models the suite trains, with the input they are timed on.

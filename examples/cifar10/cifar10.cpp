@@ -3,6 +3,7 @@
 // compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp.
 //
 //   ./cifar10-ddp --world-size 2          # self-spawned, 2 ranks
+//   ./cifar10-ddp --world-size 2 --comm powersgd --powersgd-rank 2
 //   torchrun --nproc_per_node=2 --no_python ./cifar10-ddp
 //   ./cifar10-single --data ~/datasets    # reads cifar-10-batches-bin
 #include <ddpkit/cli.hpp>
@@ -12,7 +13,8 @@
 #include <filesystem>
 
 #if defined(DDPKIT_MODE_DDP)
-using Mode = ddpkit::DDP;
+// Plain DDP whose gradient communication (--comm) is chosen at run time.
+using Mode = ddpkit::DDPRuntimeComm;
 #elif defined(DDPKIT_MODE_DP)
 using Mode = ddpkit::DataParallel;
 #else
@@ -47,6 +49,25 @@ int main(int argc, char** argv) {
                  "training images of the built-in synthetic set")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  // Gradient communication (ddp build): PyTorch's DDP comm hooks.
+  std::string comm = "allreduce";
+  ddpkit::parallel::PowerSGDOptions powersgd;
+  powersgd.start_step(100);
+  if constexpr (Mode::is_multi_process) {
+    app.add_option("--comm", comm,
+                   "gradient communication: allreduce (float32), fp16, bf16 "
+                   "or powersgd (low-rank, with error feedback)")
+        ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd"}))
+        ->capture_default_str();
+    app.add_option("--powersgd-rank", powersgd.rank(),
+                   "rank of PowerSGD's approximation of each gradient matrix")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    app.add_option("--powersgd-start-step", powersgd.start_step(),
+                   "steps of plain all-reduce before PowerSGD starts")
+        ->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
+  }
   if (auto code = ddpkit::cli::parse(app, argc, argv)) return *code;
   if (auto code = ddpkit::cli::finish_args<Mode>(args, "cifar10")) return *code;
 
@@ -70,10 +91,12 @@ int main(int argc, char** argv) {
         if (group.is_main() && !args.quiet) {
           std::printf(
               "cifar10 %s: world size %d, %zu train / %zu val / %zu test "
-              "images (%s)\n",
+              "images (%s)%s%s\n",
               Mode::name, Mode::is_multi_process ? group.size() : 1,
               split.train.size(), split.val.size(), test.size(),
-              args.data.empty() ? "built-in synthetic set" : args.data.c_str());
+              args.data.empty() ? "built-in synthetic set" : args.data.c_str(),
+              Mode::is_multi_process ? ", gradients: " : "",
+              Mode::is_multi_process ? comm.c_str() : "");
         }
         // Initial weights from the seed; DDP then broadcasts rank 0's to all.
         torch::manual_seed(args.seed);
@@ -93,13 +116,21 @@ int main(int argc, char** argv) {
                         .verbose(!args.quiet)
                         .run_name("cifar10")
                         .mixed_precision(args.amp);
+        auto parallel = ddpkit::parallel_options<Mode>(args.devices);
+        [&](auto& p) {  // generic: only the ddp build's options have comm()
+          if constexpr (requires { p.comm(); }) {
+            p.comm(ddpkit::parallel::CommOptions()
+                       .kind(ddpkit::parallel::parse_comm_kind(comm))
+                       .powersgd(powersgd));
+          }
+        }(parallel);
         Trainer trainer(
             model,
             [](std::vector<torch::Tensor> params) {
               return std::make_unique<torch::optim::Adam>(
                   params, torch::optim::AdamOptions(kLr));
             },
-            opts, group, ddpkit::parallel_options<Mode>(args.devices));
+            opts, group, parallel);
         auto loader =
             ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
         auto result =

@@ -24,6 +24,8 @@ using parallel::DataParallel;
 using parallel::DDP;
 using parallel::DDPBf16;
 using parallel::DDPFp16;
+using parallel::DDPPowerSGD;
+using parallel::DDPRuntimeComm;
 using parallel::SingleDevice;
 using train::LinearScaling;
 using train::NoScaling;

@@ -58,7 +58,7 @@ inline void check_dense(const torch::Tensor& t, const char* what) {
 /// is left to the caller; see `all_reduce` for the blocking form.
 inline compat::WorkPtr all_reduce_async(const Group& g, torch::Tensor& t,
                                         Reduce op = Reduce::sum) {
-  g.count_collective();
+  g.count_collective(t.nbytes());
   // Sums of CPU tensors among ranks on one host go through shared memory.
   // The choice depends only on the tensor and op, the same on every rank.
   if (g.shm() && (op == Reduce::sum || op == Reduce::mean) &&
@@ -76,7 +76,7 @@ inline compat::WorkPtr all_reduce_async(const Group& g, torch::Tensor& t,
 /// reduced; over gloo `t` is divided first, then summed.
 inline compat::WorkPtr all_reduce_mean_async(const Group& g, torch::Tensor& t) {
   if (g.shm() && ShmChannel::eligible(t) && t.is_floating_point()) {
-    g.count_collective();
+    g.count_collective(t.nbytes());
     return g.shm()->all_reduce_sum_async(t, 1.0 / g.size());
   }
   t.div_(g.size());
@@ -126,7 +126,7 @@ inline std::vector<torch::Tensor> all_gather(const Group& g,
   std::vector<std::vector<torch::Tensor>> out(1);
   for (int r = 0; r < g.size(); ++r) out[0].push_back(torch::empty_like(src));
   std::vector<torch::Tensor> in{src};
-  g.count_collective();
+  g.count_collective(src.nbytes());
   detail::wait(g, g.backend()->allgather(out, in), "all_gather");
   return out[0];
 }
@@ -163,7 +163,7 @@ inline torch::Tensor& broadcast(const Group& g, torch::Tensor& t, int src = 0) {
   std::vector<torch::Tensor> ts{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = src;
-  g.count_collective();
+  g.count_collective(t.nbytes());
   detail::wait(g, g.backend()->broadcast(ts, opts), "broadcast");
   return t;
 }

@@ -216,9 +216,17 @@ class Group {
   std::uint64_t collectives_started() const {
     return collectives_->load(std::memory_order_relaxed);
   }
-  /// Counts one collective (called by the functions that start them).
-  void count_collective() const {
+  /// Bytes of the tensors those collectives carried (each tensor's size
+  /// once, whatever the algorithm sends on the wire): what a gradient
+  /// compression saves shows here.
+  std::uint64_t bytes_started() const {
+    return bytes_->load(std::memory_order_relaxed);
+  }
+  /// Counts one collective of `bytes` (called by the functions that start
+  /// them).
+  void count_collective(std::uint64_t bytes = 0) const {
     collectives_->fetch_add(1, std::memory_order_relaxed);
+    bytes_->fetch_add(bytes, std::memory_order_relaxed);
   }
 
  private:
@@ -417,6 +425,8 @@ class Group {
   std::chrono::milliseconds timeout_{std::chrono::seconds(300)};
   torch::Device device_{torch::kCPU};
   std::shared_ptr<std::atomic<std::uint64_t>> collectives_ =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
+  std::shared_ptr<std::atomic<std::uint64_t>> bytes_ =
       std::make_shared<std::atomic<std::uint64_t>>(0);
 };
 

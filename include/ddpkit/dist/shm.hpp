@@ -250,6 +250,12 @@ class ShmChannel {
         mine, {numel}, [arena](void*) {}, torch::TensorOptions().dtype(dtype));
   }
 
+  /// All-reduces started through the channel (tests use it to see which
+  /// path a collective took).
+  std::uint64_t operations_started() const {
+    return operations_.load(std::memory_order_relaxed);
+  }
+
   /// Whether `t` lies in a buffer from `shared_buffer` (and is reduced in
   /// place).
   bool in_shared_buffer(const torch::Tensor& t) {
@@ -270,7 +276,8 @@ class ShmChannel {
   }
 
   /// Whether `t` can go through the channel: a contiguous CPU tensor of a
-  /// type ATen adds natively.
+  /// type ATen adds natively (fp16 and bf16 are summed in their own type,
+  /// as gloo and NCCL do).
   static bool eligible(const torch::Tensor& t) {
     if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous()) {
       return false;
@@ -278,6 +285,8 @@ class ShmChannel {
     switch (t.scalar_type()) {
       case torch::kFloat:
       case torch::kDouble:
+      case torch::kHalf:
+      case torch::kBFloat16:
       case torch::kInt:
       case torch::kLong: return true;
       default: return false;
@@ -291,6 +300,7 @@ class ShmChannel {
   /// ranks that disagree on the tensor's size or type, or on whether it is a
   /// shared buffer, all fail with an error saying so.
   compat::WorkPtr all_reduce_sum_async(torch::Tensor t, double scale = 1.0) {
+    operations_.fetch_add(1, std::memory_order_relaxed);
     auto work = c10::make_intrusive<detail::ChannelWork>();
     std::size_t offset = 0;
     auto arena = find_arena(t, &offset);
@@ -583,6 +593,7 @@ class ShmChannel {
   uint32_t seq_ = 0;    // barriers passed: the same count on every rank
   uint64_t ops_ = 0;    // operations started: the same count on every rank
   int arenas_made_ = 0;
+  std::atomic<std::uint64_t> operations_{0};
 
   std::mutex mu_;
   std::condition_variable cv_;

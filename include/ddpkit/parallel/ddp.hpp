@@ -31,11 +31,15 @@ struct DDPOptions {
   /// Write per-step timings (forward, backward, each bucket's all-reduce, the
   /// wait) as a Chrome trace to this path; `{rank}` is replaced by the rank.
   TORCH_ARG(std::string, trace_path) = "";
+  /// Settings of the communication hook (PowerSGD's rank, RuntimeComm's
+  /// choice), given to a hook constructible from CommOptions.
+  TORCH_ARG(CommOptions, comm) = {};
 };
 
-/// One process per device; gradients averaged across processes with
-/// `Comm` (AllReduceMean, Fp16Compression, Bf16Compression, or your own).
-template <class Comm = AllReduceMean>
+/// One process per device; gradients averaged across processes by the
+/// communication hook `Comm` (AllReduceMean, Fp16Compression,
+/// Bf16Compression, PowerSGD, RuntimeComm, or your own: see grad_comm.hpp).
+template <comm_hook Comm = AllReduceMean>
 struct BasicDDP {
   using parallel_concept = parallel_tag;
   static constexpr bool is_multi_process = true;
@@ -74,7 +78,7 @@ struct BasicDDP {
       }
       if (group_.size() > 1) {
         reducer_ = std::make_unique<Reducer<Comm>>(
-            params, names, group_, opts_.reducer(), trace_.get());
+            params, names, group_, opts_.reducer(), trace_.get(), make_hook());
       }
     }
 
@@ -232,6 +236,14 @@ struct BasicDDP {
     }
 
    private:
+    Comm make_hook() const {
+      if constexpr (std::is_constructible_v<Comm, const CommOptions&>) {
+        return Comm(opts_.comm());
+      } else {
+        return Comm();
+      }
+    }
+
     // Every parameter and buffer from rank `src` to all ranks.
     void broadcast_state(int src) {
       auto& m = as_module(model_);
@@ -262,5 +274,9 @@ using DDP = BasicDDP<AllReduceMean>;
 using DDPFp16 = BasicDDP<Fp16Compression>;
 /// DDP with gradients sent as bf16.
 using DDPBf16 = BasicDDP<Bf16Compression>;
+/// DDP with PowerSGD low-rank gradients (settings: DDPOptions::comm).
+using DDPPowerSGD = BasicDDP<PowerSGD>;
+/// DDP whose hook is chosen at run time (DDPOptions::comm().kind()).
+using DDPRuntimeComm = BasicDDP<RuntimeComm>;
 
 }  // namespace ddpkit::parallel

@@ -82,10 +82,9 @@ struct Bucket {
   std::vector<int64_t> offsets;
   torch::Tensor flat;
   std::vector<torch::Tensor> views;  // per parameter, shaped like it
-  torch::Tensor scratch;  // the strategy's own buffer (e.g. fp16 copy)
   std::size_t pending = 0;
   bool launched = false;
-  dist::compat::WorkPtr work;
+  CommFuture future;  // the communication hook's, while launched
   Trace::clock::time_point launch_time;
 };
 
@@ -119,19 +118,25 @@ class AccumulatedHook : public torch::autograd::FunctionPostHook {
 ///
 /// Example:
 /// ```
-/// ddpkit::parallel::Reducer<> reducer(model->parameters(), group);
+/// ddpkit::parallel::Reducer<> reducer(params, names, group);
 /// loss.backward();        // .grad now holds the average over ranks
 /// {
 ///   auto guard = reducer.no_sync();
 ///   loss2.backward();     // accumulates locally
 /// }
 /// ```
-template <class Comm = AllReduceMean>
+template <comm_hook Comm = AllReduceMean>
 class Reducer {
  public:
+  /// `comm`: the communication hook that averages each bucket (its state
+  /// lives as long as the reducer).
   Reducer(std::vector<torch::Tensor> params, std::vector<std::string> names,
-          dist::Group group, ReducerOptions opts = {}, Trace* trace = nullptr)
-      : group_(std::move(group)), opts_(opts), trace_(trace) {
+          dist::Group group, ReducerOptions opts = {}, Trace* trace = nullptr,
+          Comm comm = Comm())
+      : group_(std::move(group)),
+        opts_(opts),
+        trace_(trace),
+        comm_(std::move(comm)) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (!params[i].requires_grad()) continue;
       std::string name =
@@ -159,9 +164,9 @@ class Reducer {
     }
     build_buckets(order);
     adopt_existing_grads();
-    // A strategy's collective set-up (e.g. a capability probe) runs here, at
+    // A hook's collective set-up (e.g. a capability probe) runs here, at
     // the same point on every rank, not inside the first backward.
-    if constexpr (requires { Comm::prepare(group_); }) Comm::prepare(group_);
+    if constexpr (requires { comm_.prepare(group_); }) comm_.prepare(group_);
     install_hooks();
   }
 
@@ -203,6 +208,19 @@ class Reducer {
 
   const std::vector<Bucket>& buckets() const {
     return buckets_;
+  }
+  /// The communication hook (e.g. to read PowerSGD's state).
+  Comm& comm_hook() {
+    return comm_;
+  }
+  const Comm& comm_hook() const {
+    return comm_;
+  }
+  /// Synchronised steps completed (joined shadow steps included; a step
+  /// abandoned by a throwing backward is not): what hooks see as
+  /// `GradBucket::step`.
+  int64_t steps_completed() const {
+    return steps_completed_;
   }
   std::size_t num_parameters() const {
     return params_.size();
@@ -268,23 +286,20 @@ class Reducer {
       throw Error("DDP: join_shadow_step() called during a backward");
     }
     torch::NoGradGuard no_grad;
-    for (auto& b : buckets_) {
-      b.flat.zero_();
-      b.launch_time = Trace::clock::now();
-      b.work = Comm::start(group_, b.flat, b.scratch);
-      b.launched = true;
+    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+      buckets_[bi].flat.zero_();
+      launch(bi);
     }
     dist::compat::WorkPtr used_work;
     if (opts_.find_unused_parameters()) {
       used_work = start_used_flags(nullptr).second;
     }
     std::exception_ptr failed;
-    for (auto& b : buckets_) {
-      wait_keeping_first(b.work, "gradient all-reduce (joined)", failed);
-    }
+    complete_buckets("gradient all-reduce (joined)", failed);
     if (used_work) {
       wait_keeping_first(used_work, "used-parameter all-reduce", failed);
     }
+    ++steps_completed_;
     reset_step();
     if (failed) std::rethrow_exception(failed);
   }
@@ -537,7 +552,7 @@ class Reducer {
     for (auto& b : buckets_) {
       b.pending = b.params.size();
       b.launched = false;
-      b.work.reset();
+      b.future = CommFuture();
     }
     next_to_launch_ = 0;
     state_ = StepState::idle;
@@ -591,8 +606,13 @@ class Reducer {
     std::exception_ptr failed;
     if (state_ == StepState::running) ++abandoned_steps_;
     for (auto& b : buckets_) {
-      if (b.launched && b.work) {
-        wait_keeping_first(b.work, "gradient all-reduce", failed);
+      // The collective in flight only: the hook's later steps (and the
+      // state they would update) are not run for a step nobody wants.
+      if (!b.launched) continue;
+      try {
+        b.future.wait_current(group_, "gradient all-reduce");
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
       }
     }
     reset_step();
@@ -712,12 +732,47 @@ class Reducer {
   void launch_ready_in_order() {
     while (next_to_launch_ < buckets_.size() &&
            buckets_[next_to_launch_].pending == 0) {
-      auto& b = buckets_[next_to_launch_];
-      b.launch_time = Trace::clock::now();
-      b.work = Comm::start(group_, b.flat, b.scratch);
-      b.launched = true;
+      launch(next_to_launch_);
       if (!in_finalize_) ++launched_now_;
       ++next_to_launch_;
+    }
+  }
+
+  // Hands bucket bi to the hook.
+  void launch(std::size_t bi) {
+    auto& b = buckets_[bi];
+    b.launch_time = Trace::clock::now();
+    b.launched = true;
+    GradBucket view{bi, buckets_.size(), steps_completed_, b.flat, b.views,
+                    b.params};
+    b.future = comm_.run(group_, view);
+  }
+
+  // Completes every launched bucket's future: one link of each in bucket
+  // order, then the next link of each, so the collectives a hook's
+  // continuations start come in the same order on every rank (and the
+  // second round of one bucket overlaps with the others'). A bucket whose
+  // future fails is dropped; the others are still completed, so nothing
+  // stays in flight. Records each bucket in the trace.
+  void complete_buckets(const char* what, std::exception_ptr& failed) {
+    for (bool more = true; more;) {
+      more = false;
+      for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+        auto& b = buckets_[bi];
+        if (!b.launched || !b.future.pending()) continue;
+        try {
+          b.future.advance(group_, what);
+        } catch (...) {
+          if (!failed) failed = std::current_exception();
+          b.future = CommFuture();
+        }
+        if (b.future.pending()) {
+          more = true;
+        } else if (trace_) {
+          trace_->record("allreduce bucket " + std::to_string(bi),
+                         b.launch_time, Trace::clock::now(), 1);
+        }
+      }
     }
   }
 
@@ -773,22 +828,13 @@ class Reducer {
     // failure the rest are still waited for (a broken channel fails them at
     // once), so the error leaves nothing in flight.
     std::exception_ptr failed;
-    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-      auto& b = buckets_[bi];
-      if (!b.launched) {
-        if (!failed) {
-          failed = std::make_exception_ptr(
-              Error("DDP reducer: a bucket was never launched (internal)"));
-        }
-        continue;
-      }
-      if (!wait_keeping_first(b.work, "gradient all-reduce", failed)) continue;
-      Comm::finish(b.flat, b.scratch);
-      if (trace_) {
-        trace_->record("allreduce bucket " + std::to_string(bi), b.launch_time,
-                       Trace::clock::now(), 1);
+    for (const auto& b : buckets_) {
+      if (!b.launched && !failed) {
+        failed = std::make_exception_ptr(
+            Error("DDP reducer: a bucket was never launched (internal)"));
       }
     }
+    complete_buckets("gradient all-reduce", failed);
     if (used_work &&
         wait_keeping_first(used_work, "used-parameter all-reduce", failed)) {
       // Unused on every rank: its gradient stays as it was before the step
@@ -806,6 +852,7 @@ class Reducer {
         arrival_.size() == params_.size()) {
       rebuild_in_arrival_order();
     }
+    ++steps_completed_;
     reset_step();
     if (failed) std::rethrow_exception(failed);
     auto t1 = Trace::clock::now();
@@ -816,6 +863,8 @@ class Reducer {
   dist::Group group_;
   ReducerOptions opts_;
   Trace* trace_;
+  Comm comm_;
+  int64_t steps_completed_ = 0;
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
   std::shared_ptr<detail::AccumulatedHook::Callback> target_ =
