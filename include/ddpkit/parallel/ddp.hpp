@@ -177,6 +177,20 @@ struct BasicDDP {
     double last_wait_seconds() const {
       return reducer_ ? reducer_->last_wait_seconds() : 0.0;
     }
+    /// The communication hook's name (RuntimeComm's choice for it).
+    std::string comm_name() const {
+      if (reducer_) {
+        if constexpr (requires { reducer_->comm_hook().chosen(); }) {
+          return std::string(reducer_->comm_hook().chosen());
+        }
+      }
+      return Comm::name;
+    }
+    /// Bytes the last synchronised step's gradient collectives carried (0 in
+    /// a world of one).
+    uint64_t last_step_bytes() const {
+      return reducer_ ? reducer_->last_step_bytes() : 0;
+    }
 
     /// Uneven inputs, as PyTorch's `Join`: every rank calls this once per
     /// round, saying whether it has a batch, and stops when it returns

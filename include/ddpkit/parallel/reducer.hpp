@@ -222,6 +222,12 @@ class Reducer {
   int64_t steps_completed() const {
     return steps_completed_;
   }
+  /// Bytes of the collectives the last synchronised step started (gradient
+  /// buckets as the hook sent them, and any used-parameter flags): see
+  /// dist::Group::bytes_started.
+  uint64_t last_step_bytes() const {
+    return last_step_bytes_;
+  }
   std::size_t num_parameters() const {
     return params_.size();
   }
@@ -683,6 +689,7 @@ class Reducer {
     }
     if (state_ != StepState::running) {
       state_ = StepState::running;
+      step_bytes_at_start_ = group_.bytes_started();
       // The token lives as long as the graph task holding the callback.
       auto token = std::make_shared<char>();
       callback_token_ = token;
@@ -853,6 +860,7 @@ class Reducer {
       rebuild_in_arrival_order();
     }
     ++steps_completed_;
+    last_step_bytes_ = group_.bytes_started() - step_bytes_at_start_;
     reset_step();
     if (failed) std::rethrow_exception(failed);
     auto t1 = Trace::clock::now();
@@ -865,6 +873,7 @@ class Reducer {
   Trace* trace_;
   Comm comm_;
   int64_t steps_completed_ = 0;
+  uint64_t step_bytes_at_start_ = 0, last_step_bytes_ = 0;
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
   std::shared_ptr<detail::AccumulatedHook::Callback> target_ =

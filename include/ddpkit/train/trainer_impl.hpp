@@ -206,6 +206,11 @@ void DDPKIT_TRAINER::write_summary(const FitResult& r,
       .add("best_val_acc", r.best_val_acc)
       .add("final_val_acc", r.history.empty() ? 0.0 : r.history.back().val_acc);
   if (test) j.add("test_acc", test->accuracy).add("test_loss", test->loss);
+  if constexpr (requires { engine_.comm_name(); }) {
+    j.add("comm", engine_.comm_name())
+        .add("gradient_bytes_per_step",
+             static_cast<double>(engine_.last_step_bytes()));
+  }
   double images = 0, seconds = 0;
   for (const auto& m : r.history) {
     images += m.images_per_second * m.seconds;
