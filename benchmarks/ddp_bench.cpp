@@ -18,9 +18,15 @@
 //   order/headfirst/world:2/rebuild:R  a net registered head first: buckets
 //                                      in registration order (0) or rebuilt
 //                                      in arrival order (1)
+//   comm/<model>/world:2/hook:H        communication hooks side by side:
+//                                      allreduce, fp16, powersgd (rank 4,
+//                                      from the first step); bytes_per_step
+//                                      is what the gradient collectives
+//                                      carried
 //
 // Launcher flags (before Google Benchmark's): --quick, --sections=a,b,...
-// (overhead, decompose, scaling, buckets, local, order), --rounds=N, --round-id=K,
+// (overhead, decompose, scaling, buckets, local, order, comm), --rounds=N,
+// --round-id=K,
 // --worlds=1,2,4,8.
 #include <sys/resource.h>
 
@@ -98,7 +104,7 @@ template <class Policy, class Model>
 double ddp_steps(Model model, const dd::Group& g, const b::Args& a,
                  const Batch& data, int warmup, int steps,
                  std::vector<double>& times, std::vector<double>& waits,
-                 double& cpu0, double& sys0) {
+                 double& cpu0, double& sys0, double* bytes = nullptr) {
   const auto dev = b::rank_device(g);
   auto ro = dp::ReducerOptions()
                 .bucket_cap_bytes(
@@ -107,8 +113,12 @@ double ddp_steps(Model model, const dd::Group& g, const b::Args& a,
                     static_cast<int64_t>(a.num("first_bucket_mib", 1) * kMiB))
                 .shared_buckets(a.num("shared_buckets", 1) != 0)
                 .rebuild_buckets(a.num("rebuild", 1) != 0);
+  auto comm = dp::CommOptions().powersgd(
+      dp::PowerSGDOptions()
+          .rank(static_cast<int64_t>(a.num("powersgd_rank", 4)))
+          .start_step(0));
   typename Policy::template engine<Model> eng(
-      model, g, dp::DDPOptions().reducer(ro), dev);
+      model, g, dp::DDPOptions().reducer(ro).comm(comm), dev);
   auto opt = make_sgd(*eng.module());
   double buckets = eng.reducer() ? double(eng.reducer()->buckets().size()) : 0;
   dd::barrier(g);
@@ -128,6 +138,7 @@ double ddp_steps(Model model, const dd::Group& g, const b::Args& a,
       waits.push_back(eng.last_wait_seconds());
     }
   }
+  if (bytes) *bytes = static_cast<double>(eng.last_step_bytes());
   return buckets;
 }
 
@@ -146,11 +157,17 @@ b::Values train(Model model, const dd::Group& g, const b::Args& a) {
   std::vector<double> times, waits;
   double cpu0 = 0, sys0 = 0;
   int64_t grad_bytes = b::gradient_bytes(*model);
-  double buckets = 0;
+  double buckets = 0, bytes = -1;
 
   if (mode == "ddp") {
     buckets = ddp_steps<dp::DDP>(model, g, a, data, warmup, steps, times, waits,
-                                 cpu0, sys0);
+                                 cpu0, sys0, &bytes);
+  } else if (mode == "ddp_fp16") {
+    buckets = ddp_steps<dp::DDPFp16>(model, g, a, data, warmup, steps, times,
+                                     waits, cpu0, sys0, &bytes);
+  } else if (mode == "ddp_powersgd") {
+    buckets = ddp_steps<dp::DDPPowerSGD>(model, g, a, data, warmup, steps,
+                                         times, waits, cpu0, sys0, &bytes);
   } else if (mode == "ddp_nocomm") {
     buckets = ddp_steps<dp::BasicDDP<b::NullComm>>(
         model, g, a, data, warmup, steps, times, waits, cpu0, sys0);
@@ -220,6 +237,7 @@ b::Values train(Model model, const dd::Group& g, const b::Args& a) {
   v["sys_ms_per_step"] = 1e3 * (cpu_seconds(true) - sys0) / times.size();
   v["grad_bytes"] = double(grad_bytes);
   v["buckets"] = buckets;
+  if (bytes >= 0) v["bytes_per_step"] = bytes;
   return v;
 }
 
@@ -377,6 +395,23 @@ void register_all(const b::Args& o) {
              "--bucket_mib=1", "--first_bucket_mib=1",
              quick ? "--steps=12" : "--steps=24", "--warmup=3",
              "--rebuild=" + std::to_string(rebuild)},
+            b::all_counters);
+      }
+    }
+  }
+  if (wants(sections, "comm")) {
+    // Communication hooks, the same net and batch, world 2, interleaved.
+    b::ModelSpec m{"resnet18", 64, 8};
+    for (int round = 0; round < 2; ++round) {
+      for (auto hook : {"allreduce", "fp16", "powersgd"}) {
+        const std::string h = hook;
+        b::register_world(
+            "comm/" + m.label() + "/world:2/hook:" + h +
+                "/round:" + std::to_string(round + 1),
+            2,
+            cat(cat(m.args(), steps_for(m.name, false)),
+                {"--mode=" + std::string(h == "allreduce" ? "ddp" : "ddp_" + h),
+                 "--powersgd_rank=4"}),
             b::all_counters);
       }
     }

@@ -208,6 +208,31 @@ def local(entries, md, summary):
     summary["local"] = {n: b["real_time"] for n, b in rows}
 
 
+# ----------------------------------------------------- communication hooks
+def hooks(entries, md, summary):
+    rows = [(n, b) for n, b in entries if n.startswith("comm/")]
+    if not rows:
+        return
+    md.append("## Communication hooks (world 2, side by side)\n")
+    md.append("bytes = what the step's gradient collectives carried; ratio = step time "
+              "over the all-reduce entry of the same round.\n")
+    md.append("| entry | bytes per step | step ms | wait ms | step vs allreduce |")
+    md.append("|---|---|---|---|---|")
+    plain, out = {}, {}
+    for n, b in rows:
+        m = re.match(r"comm/(.+)/world:2/hook:(\w+)/round:(\d+)", n)
+        if not m:
+            continue
+        if m[2] == "allreduce":
+            plain[m[3]] = b["step_ms"]
+        ref = plain.get(m[3])
+        md.append(f"| {n} | {human(b.get('bytes_per_step', 0))} | {b['step_ms']:.1f} | "
+                  f"{b['wait_ms']:.1f} | {fmt(b['step_ms'] / ref if ref else None, 3)} |")
+        out[n] = {k: b.get(k) for k in ("bytes_per_step", "step_ms", "wait_ms")}
+    md.append("")
+    summary["hooks"] = out
+
+
 # --------------------------------------------------------------- buckets
 def buckets(entries, comm_entries, md, summary):
     rows = [(n, b) for n, b in entries if n.startswith("buckets/")]
@@ -520,6 +545,7 @@ def main():
     decompose(ddp, md, summary)
     local(ddp, md, summary)
     buckets(ddp, comm, md, summary)
+    hooks(ddp, md, summary)
     fit = bandwidth(comm, md, summary, res)
     scaling(ddp, md, summary, res)
     projection(summary, fit, md)
