@@ -197,6 +197,11 @@ inline bool backend_sums(const dist::Group& g, c10::ScalarType dtype) {
       known = 1;
     } catch (const std::exception& e) {
       why = e.what();
+      why = why.substr(0, why.find('\n'));
+      // The backend's own words, without the wrapper's "(a peer may have
+      // died ...)" guess, which the float32 all-reduce below settles.
+      const auto own = why.rfind("): ");
+      if (own != std::string::npos) why = why.substr(own + 3);
     }
     if (known == 0) {
       auto f = torch::zeros({1}, torch::TensorOptions(torch::kFloat)
@@ -207,8 +212,7 @@ inline bool backend_sums(const dist::Group& g, c10::ScalarType dtype) {
         std::fprintf(stderr,
                      "ddpkit: this backend cannot all-reduce %s (%s); "
                      "gradients are sent uncompressed, as float32\n",
-                     c10::toString(dtype),
-                     why.substr(0, why.find('\n')).c_str());
+                     c10::toString(dtype), why.c_str());
       }
     }
   }
@@ -224,6 +228,10 @@ template <c10::ScalarType Dtype>
 struct CompressedAllReduce {
   void prepare(const dist::Group& g) {
     sums_ = backend_sums(g, Dtype);
+  }
+  /// False where the backend cannot add `Dtype`: buckets go as float32.
+  bool compressing() const {
+    return sums_;
   }
   CommFuture run(const dist::Group& g, GradBucket& b) {
     if (!sums_) return CommFuture(dist::all_reduce_mean_async(g, b.buffer));
