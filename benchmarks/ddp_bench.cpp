@@ -23,9 +23,13 @@
 //                                      from the first step); bytes_per_step
 //                                      is what the gradient collectives
 //                                      carried
+//   syncbn/resnet34@64/b16/world:2/bn:B ResNet-34's BatchNorm plain (each
+//                                      rank its own statistics) or
+//                                      synchronised (SyncBN), side by side
 //
 // Launcher flags (before Google Benchmark's): --quick, --sections=a,b,...
-// (overhead, decompose, scaling, buckets, local, order, comm), --rounds=N,
+// (overhead, decompose, scaling, buckets, local, order, comm, syncbn),
+// --rounds=N,
 // --round-id=K,
 // --worlds=1,2,4,8.
 #include <sys/resource.h>
@@ -113,6 +117,7 @@ double ddp_steps(Model model, const dd::Group& g, const b::Args& a,
                     static_cast<int64_t>(a.num("first_bucket_mib", 1) * kMiB))
                 .shared_buckets(a.num("shared_buckets", 1) != 0)
                 .rebuild_buckets(a.num("rebuild", 1) != 0);
+  if (a.num("sync_bn", 0) != 0) ddpkit::nn::convert_sync_batchnorm(*model, g);
   auto comm = dp::CommOptions().powersgd(
       dp::PowerSGDOptions()
           .rank(static_cast<int64_t>(a.num("powersgd_rank", 4)))
@@ -412,6 +417,24 @@ void register_all(const b::Args& o) {
             cat(cat(m.args(), steps_for(m.name, false)),
                 {"--mode=" + std::string(h == "allreduce" ? "ddp" : "ddp_" + h),
                  "--powersgd_rank=4"}),
+            b::all_counters);
+      }
+    }
+  }
+  if (wants(sections, "syncbn")) {
+    // SyncBN's cost (issue 14's setting: flowers' ResNet-34 at 64 px, batch
+    // 16 per rank, world 2, one thread per rank), plain and synchronised
+    // BatchNorm interleaved.
+    b::ModelSpec m{"resnet34", 64, 16};
+    for (int round = 0; round < 2; ++round) {
+      for (int sync : {0, 1}) {
+        b::register_world(
+            "syncbn/" + m.label() + "/world:2/bn:" +
+                std::string(sync ? "sync" : "plain") +
+                "/round:" + std::to_string(round + 1),
+            2,
+            cat(m.args(), {quick ? "--steps=6" : "--steps=12", "--warmup=2",
+                           "--mode=ddp", "--sync_bn=" + std::to_string(sync)}),
             b::all_counters);
       }
     }

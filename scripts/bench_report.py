@@ -233,6 +233,28 @@ def hooks(entries, md, summary):
     summary["hooks"] = out
 
 
+def syncbn(entries, md, summary):
+    rows = [(n, b) for n, b in entries if n.startswith("syncbn/")]
+    if not rows:
+        return
+    md.append("## SyncBN vs plain BatchNorm (world 2, side by side)\n")
+    md.append("| entry | step ms | images/s | step vs plain |")
+    md.append("|---|---|---|---|")
+    plain, out = {}, {}
+    for n, b in rows:
+        m = re.match(r"syncbn/(.+)/world:2/bn:(\w+)/round:(\d+)", n)
+        if not m:
+            continue
+        if m[2] == "plain":
+            plain[m[3]] = b["step_ms"]
+        ref = plain.get(m[3])
+        md.append(f"| {n} | {b['step_ms']:.1f} | {b['images_per_s']:.1f} | "
+                  f"{fmt(b['step_ms'] / ref if ref else None, 3)} |")
+        out[n] = {k: b.get(k) for k in ("step_ms", "images_per_s")}
+    md.append("")
+    summary["syncbn"] = out
+
+
 # --------------------------------------------------------------- buckets
 def buckets(entries, comm_entries, md, summary):
     rows = [(n, b) for n, b in entries if n.startswith("buckets/")]
@@ -546,6 +568,7 @@ def main():
     local(ddp, md, summary)
     buckets(ddp, comm, md, summary)
     hooks(ddp, md, summary)
+    syncbn(ddp, md, summary)
     fit = bandwidth(comm, md, summary, res)
     scaling(ddp, md, summary, res)
     projection(summary, fit, md)

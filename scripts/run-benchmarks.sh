@@ -76,7 +76,7 @@ done
 echo "== communication"
 gb ddpkit_comm_bench comm.json $QUICK
 echo "== DDP: decomposition, local hook cost, bucket caps, scaling, bucket order, communication hooks"
-gb ddpkit_ddp_bench ddp.json $QUICK --sections=decompose,local,buckets,scaling,order,comm
+gb ddpkit_ddp_bench ddp.json $QUICK --sections=decompose,local,buckets,scaling,order,comm,syncbn
 echo "== data pipeline"
 if [[ ! -x "$BIN/ddpkit_data_bench" ]]; then
   echo "(no ddpkit_data_bench)"
