@@ -134,10 +134,22 @@ concept engine_reports_wait = requires(E e) {
   { e.last_wait_seconds() } -> std::convertible_to<double>;
 };
 
+}  // namespace ddpkit
+namespace ddpkit::train {
+class LossScaler;
+}  // namespace ddpkit::train
+namespace ddpkit {
+
+template <class E>
+concept engine_unscales_gradients = requires(E e, train::LossScaler& s) {
+  { e.unscale_and_check(s) } -> std::convertible_to<bool>;
+};
+
 /// The contract of `P::engine<M>`: built from (model, group, options,
 /// device); forward, forward_backward returning {loss, output}, zero_grad
-/// (the only way the Trainer zeroes gradients), no_sync, and the seconds
-/// the last step waited for communication.
+/// (the only way the Trainer zeroes gradients), no_sync, AMP's
+/// unscale_and_check(LossScaler&) (the only way the Trainer unscales), and
+/// the seconds the last step waited for communication.
 template <class P, class M, class Group>
 concept parallel_engine = has_engine_for<P, M> &&
     engine_constructible_from<typename P::template engine<M>, M, Group,
@@ -147,6 +159,7 @@ concept parallel_engine = has_engine_for<P, M> &&
     engine_runs_steps<typename P::template engine<M>> &&
     engine_zeroes_gradients<typename P::template engine<M>> &&
     engine_accumulates_without_sync<typename P::template engine<M>> &&
+    engine_unscales_gradients<typename P::template engine<M>> &&
     engine_reports_wait<typename P::template engine<M>>;
 
 // ---- batch-norm policies

@@ -2,6 +2,7 @@
 // processes over gloo on loopback.
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 
 #include "../support.hpp"
 #include "ddpkit/parallel.hpp"
@@ -278,25 +279,170 @@ DDPKIT_WORKER(syncbn_unequal) {
   auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
   auto wts = torch::randn({8, 4, 3, 3}, gen);
   int64_t start = r == 0 ? 0 : 3, len = r == 0 ? 3 : 5;
-  auto x = x_all.narrow(0, start, len).clone().to(device).requires_grad_(true);
+  // T_HALF=1: fp16 input (statistics in float32, output in fp16).
+  const bool half = env_or("T_HALF", "0") == "1";
+  auto x = x_all.narrow(0, start, len)
+               .clone()
+               .to(device, half ? torch::kHalf : torch::kFloat)
+               .requires_grad_(true);
   torch::manual_seed(3);
-  nn::BatchNorm2d bn(4);
+  // Synchronised by construction (no convert_sync_batchnorm call).
+  nn::SyncBatchNorm bn(4, g);
   bn->weight.data().uniform_(0.5, 1.5);
   bn->bias.data().uniform_(-0.5, 0.5);
   bn->to(device);
-  nn::convert_sync_batchnorm(*bn, g);
   auto y = bn(x);
   auto dir = test::worker_dir();
   auto tag = std::to_string(r);
+  std::ofstream(dir / ("dtypes" + tag))
+      << c10::toString(y.scalar_type()) << " "
+      << c10::toString(bn->running_mean.scalar_type());
   test::save_tensor(bn->running_mean.cpu(), dir / ("rm" + tag + ".pt"));
   test::save_tensor(bn->running_var.cpu(), dir / ("rv" + tag + ".pt"));
   // T_DROP_MODULE=1: the module (and the group it holds) is gone before
   // backward, which must still reduce over the group.
-  if (env_or("T_DROP_MODULE", "0") == "1") bn = nn::BatchNorm2d(nullptr);
+  if (env_or("T_DROP_MODULE", "0") == "1") bn = nn::SyncBatchNorm(nullptr);
   // The global loss is the sum over ranks of each rank's part.
-  (y * wts.narrow(0, start, len).to(device)).sum().backward();
-  test::save_tensor(y.detach().cpu(), dir / ("y" + tag + ".pt"));
-  test::save_tensor(x.grad().cpu(), dir / ("dx" + tag + ".pt"));
+  (y * wts.narrow(0, start, len).to(device, y.scalar_type())).sum().backward();
+  std::ofstream(dir / ("dtypes" + tag), std::ios::app)
+      << " " << c10::toString(x.grad().scalar_type());
+  test::save_tensor(y.detach().cpu().to(torch::kFloat), dir / ("y" + tag + ".pt"));
+  test::save_tensor(x.grad().cpu().to(torch::kFloat), dir / ("dx" + tag + ".pt"));
+  return 0;
+}
+
+/// conv(3→8) (+ mid) SyncBN relu conv(8→8) SyncBN relu pool fc, with `mid`
+/// (a per-channel offset) registered last, so its bucket comes first, but
+/// used before bn1: with `use_mid` on rank 0 only, rank 1 finds it unused
+/// and launches its bucket at the first gradient, rank 0 only after both
+/// SyncBN backward collectives. (`batch_split`: the rows that get `mid`, in
+/// the one-process reference.)
+struct MidNetImpl : torch::nn::Module {
+  MidNetImpl() {
+    conv1 = register_module(
+        "conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+    bn1 = register_module("bn1", nn::BatchNorm2d(8));
+    conv2 = register_module(
+        "conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)));
+    bn2 = register_module("bn2", nn::BatchNorm2d(8));
+    fc = register_module("fc", torch::nn::Linear(8, 5));
+    // In a child registered last (a module's own parameters come before
+    // its children's), so it is the last parameter and its bucket the first.
+    holder = register_module("offset", std::make_shared<torch::nn::Module>());
+    mid = holder->register_parameter("mid", torch::randn({1, 8, 1, 1}) * 0.5);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = conv1(x);
+    if (mid_rows > 0) {
+      x = torch::cat({x.narrow(0, 0, mid_rows) + mid,
+                      x.narrow(0, mid_rows, x.size(0) - mid_rows)});
+    }
+    x = torch::relu(bn1(x));
+    x = torch::relu(bn2(conv2(x)));
+    return fc(torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1));
+  }
+  int64_t mid_rows = 0;
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  torch::nn::Linear fc{nullptr};
+  std::shared_ptr<torch::nn::Module> holder;
+  torch::Tensor mid;
+};
+TORCH_MODULE(MidNet);
+
+MidNet make_mid_net(uint64_t seed) {
+  torch::manual_seed(seed);
+  return MidNet();
+}
+
+/// SyncBN + find_unused_parameters with rank-dependent usage (MidNetImpl):
+/// three SGD steps, 4 samples per rank.
+DDPKIT_WORKER(syncbn_rank_dependent) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  auto net = make_mid_net(100 + r);
+  nn::SyncBN::apply(*net, g);
+  net->mid_rows = r == 0 ? kPerRank : 0;
+  parallel::DDPOptions opts;
+  // One parameter per bucket: mid's bucket is the first.
+  opts.reducer().find_unused_parameters(true).bucket_cap_bytes(1)
+      .first_bucket_cap_bytes(1).last_bucket_cap_bytes(1);
+  parallel::DDP::engine<MidNet> eng(net, g, opts, torch::kCPU);
+  auto opt = test::make_sgd(*net);
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = test::global_batch(s, 2 * kPerRank);
+    eng.zero_grad();
+    eng.forward_backward(x.narrow(0, r * kPerRank, kPerRank),
+                         y.narrow(0, r * kPerRank, kPerRank), test::ce_loss);
+    opt.step();
+  }
+  torch::save(net, (test::worker_dir() / ("mid" + std::to_string(r) + ".pt"))
+                       .string());
+  return 0;
+}
+
+/// AMP through the DDP engine: step 1 has an inf in rank 1's gradients
+/// only (put there after the all-reduce), so both ranks must skip it; step
+/// 2 is clean: its gradients are divided by the (halved) scale.
+DDPKIT_WORKER(amp_unscale) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  auto net = test::make_net(100);
+  parallel::DDP::engine<test::SmallNet> eng(net, g, parallel::DDPOptions(),
+                                            torch::kCPU);
+  train::LossScaler scaler(1024.0);
+  auto [x, y] = test::global_batch(0, 2 * kPerRank);
+  auto xr = x.narrow(0, r * kPerRank, kPerRank);
+  auto yr = y.narrow(0, r * kPerRank, kPerRank);
+  auto scaled = [&](const torch::Tensor& o, const torch::Tensor& t) {
+    return test::ce_loss(o, t) * scaler.scale();
+  };
+  eng.zero_grad();
+  eng.forward_backward(xr, yr, scaled);
+  if (r == 1) {
+    torch::NoGradGuard no_grad;
+    eng.reducer()->buckets().back().flat[0].fill_(
+        std::numeric_limits<float>::infinity());
+  }
+  const bool step1 = eng.unscale_and_check(scaler);
+  const double scale1 = scaler.scale();
+  eng.zero_grad();
+  eng.forward_backward(xr, yr, scaled);
+  std::vector<torch::Tensor> before;
+  for (auto& p : net->parameters()) before.push_back(p.grad().clone());
+  const bool step2 = eng.unscale_and_check(scaler);
+  double worst = 0;
+  auto params = net->parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    worst = std::max(worst,
+                     test::rel_diff(params[i].grad(), before[i] / scale1));
+  }
+  std::ofstream(test::worker_dir() / ("amp" + std::to_string(r)))
+      << step1 << " " << scale1 << " " << step2 << " " << worst;
+  return 0;
+}
+
+/// DDP with SyncBN and unequal per-rank batches (rank 0: 3 samples, rank
+/// 1: 5): three SGD steps of SmallNet with each rank's loss the mean over
+/// its own batch.
+DDPKIT_WORKER(ddp_syncbn_unequal) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  auto net = test::make_net(100 + r, /*bn=*/true);
+  nn::SyncBN::apply(*net, g);
+  parallel::DDP::engine<test::SmallNet> eng(net, g, parallel::DDPOptions(),
+                                            torch::kCPU);
+  auto opt = test::make_sgd(*net);
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = test::global_batch(s, 8);
+    const int64_t start = r == 0 ? 0 : 3, len = r == 0 ? 3 : 5;
+    eng.zero_grad();
+    eng.forward_backward(x.narrow(0, start, len), y.narrow(0, start, len),
+                         test::ce_loss);
+    opt.step();
+  }
+  torch::save(net, (test::worker_dir() / ("net" + std::to_string(r) + ".pt"))
+                       .string());
   return 0;
 }
 
@@ -1208,6 +1354,128 @@ TEST_SUITE("parallel") {
     TempDir dir;
     REQUIRE(run_workers("syncbn_unequal", 2, dir.str()).ok());
     check_syncbn_unequal(dir.path(), 1e-5);
+  }
+
+  TEST_CASE(
+      "SyncBatchNorm: fp16 input gives fp16 output and input gradient, "
+      "float32 statistics, within fp16's rounding of float32") {
+    TempDir dir;
+    REQUIRE(run_workers("syncbn_unequal", 2, dir.str(), {{"T_HALF", "1"}})
+                .ok());
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(dir / ("dtypes" + std::to_string(r)));
+      std::string y, stats, dx;
+      in >> y >> stats >> dx;
+      MESSAGE("rank ", r, ": output ", y, ", running stats ", stats,
+              ", input gradient ", dx);
+      CHECK(y == "Half");
+      CHECK(stats == "Float");
+      CHECK(dx == "Half");
+    }
+    // Against BatchNorm in float32 on the joined batch of float32 inputs:
+    // fp16 rounds the input, the output and the gradient (2^-11 each).
+    check_syncbn_unequal(dir.path(), 5e-3);
+  }
+
+  TEST_CASE(
+      "DDP: SyncBN with find_unused_parameters and rank-dependent usage "
+      "(SyncBN collectives on their own channel) equals one process") {
+    TempDir dir;
+    auto res = run_workers("syncbn_rank_dependent", 2, dir.str(),
+                           {{"DDPKIT_COLLECTIVE_TIMEOUT", "20"}});
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    // One process: the joined batch of 8, mid added to rank 0's 4 rows, BN
+    // over all 8 (SyncBN's statistics), the loss the mean of the two
+    // ranks' mean losses (what DDP's gradient average computes).
+    auto ref = make_mid_net(100);
+    ref->mid_rows = kPerRank;
+    auto opt = test::make_sgd(*ref);
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = test::global_batch(s, 2 * kPerRank);
+      opt.zero_grad();
+      auto out = ref->forward(x);
+      auto loss = (test::ce_loss(out.narrow(0, 0, kPerRank),
+                                 y.narrow(0, 0, kPerRank)) +
+                   test::ce_loss(out.narrow(0, kPerRank, kPerRank),
+                                 y.narrow(0, kPerRank, kPerRank))) /
+                  2;
+      loss.backward();
+      opt.step();
+    }
+    for (int r = 0; r < 2; ++r) {
+      auto net = make_mid_net(0);
+      torch::load(net, (dir / ("mid" + std::to_string(r) + ".pt")).string());
+      const double d = test::max_state_diff(*net, *ref);
+      MESSAGE("rank ", r, ": max relative difference ", d);
+      CHECK(d <= 1e-5);
+    }
+  }
+
+  TEST_CASE(
+      "DDP engine's AMP unscale: an inf on one rank skips the step on every "
+      "rank; a clean step is divided by the halved scale") {
+    TempDir dir;
+    auto res = run_workers("amp_unscale", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(dir / ("amp" + std::to_string(r)));
+      int step1 = -1, step2 = -1;
+      double scale1 = 0, worst = 1;
+      in >> step1 >> scale1 >> step2 >> worst;
+      MESSAGE("rank ", r, ": step 1 ",
+              std::string(step1 ? "taken" : "skipped"), ", scale then ", scale1,
+              "; step 2 ", std::string(step2 ? "taken" : "skipped"),
+              ", unscaled gradients off by ", worst);
+      CHECK(step1 == 0);
+      CHECK(scale1 == 512.0);
+      CHECK(step2 == 1);
+      CHECK(worst <= 1e-7);
+    }
+  }
+
+  TEST_CASE(
+      "DDP + SyncBN with unequal per-rank batches equals one process whose "
+      "loss weights each rank's samples by 1/(world * that rank's batch)") {
+    TempDir dir;
+    auto res = run_workers("ddp_syncbn_unequal", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    // DDP averages the ranks' gradients with equal weights, each the mean
+    // over its own batch (3 and 5 samples): one process on the joined batch
+    // of 8 (BN statistics over all 8, as SyncBN gives) with loss
+    // sum_r 1/(2 n_r) sum_{i in r} loss_i. The plain mean over 8 is not it.
+    auto train_reference = [](bool weighted) {
+      auto net = test::make_net(100, /*bn=*/true);
+      auto opt = test::make_sgd(*net);
+      for (int s = 0; s < 3; ++s) {
+        auto [x, y] = test::global_batch(s, 8);
+        opt.zero_grad();
+        auto per_sample = torch::nn::functional::cross_entropy(
+            net->forward(x), y,
+            torch::nn::functional::CrossEntropyFuncOptions().reduction(
+                torch::kNone));
+        auto w = torch::full({8}, 1.0 / 8);
+        if (weighted) {
+          w.narrow(0, 0, 3).fill_(1.0 / (2 * 3));
+          w.narrow(0, 3, 5).fill_(1.0 / (2 * 5));
+        }
+        (per_sample * w).sum().backward();
+        opt.step();
+      }
+      return net;
+    };
+    auto weighted = train_reference(true), plain = train_reference(false);
+    for (int r = 0; r < 2; ++r) {
+      auto net = load_net(dir / ("net" + std::to_string(r) + ".pt"), true);
+      const double d = test::max_state_diff(*net, *weighted);
+      const double d_plain = test::max_state_diff(*net, *plain);
+      MESSAGE("rank ", r, ": vs the weighted loss ", d,
+              "; vs the plain mean over 8 ", d_plain);
+      CHECK(d <= 1e-5);
+      CHECK(d_plain > 1e-3);
+    }
   }
 
   TEST_CASE(

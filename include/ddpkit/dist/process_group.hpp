@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -138,6 +139,7 @@ class Group {
     wait_for_all(g.store_, env, method, rdv_timeout);
     g.backend_ = make_backend(g.store_, env, opts, coll_timeout);
     g.timeout_ = coll_timeout;
+    g.opts_ = opts;
 #if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
     if (dynamic_cast<c10d::ProcessGroupNCCL*>(g.backend_.get()) != nullptr) {
       g.device_ = torch::Device(torch::kCUDA, env.local_rank);
@@ -207,6 +209,50 @@ class Group {
   /// The rendezvous store; null in a world of one.
   const compat::StorePtr& store() const {
     return store_;
+  }
+
+  /// A second group over the same ranks with a backend and shared-memory
+  /// channel of its own, so its collectives are ordered among themselves
+  /// only. SyncBatchNorm's collectives go there: they run inside forward and
+  /// backward, where the DDP reducer's gradient buckets may launch at
+  /// rank-dependent moments (find_unused_parameters with rank-dependent
+  /// usage); on one channel the two streams would meet in different orders
+  /// on different ranks. Made the first time it is asked for, which is a
+  /// collective (every rank must ask at the same point: SyncBN asks in its
+  /// first training forward); copies of this group share it, and its
+  /// collectives count in this group's collectives_started(). A world of one
+  /// returns itself.
+  Group side_group() const {
+    if (env_.world_size == 1 || !backend_) return *this;
+    std::lock_guard<std::mutex> lock(side_->mu);
+    if (!side_->group) {
+      auto g = std::make_shared<Group>();
+      g->env_ = env_;
+      g->store_ = store_;
+      g->timeout_ = timeout_;
+      g->device_ = device_;
+      g->opts_ = opts_;
+      g->opts_.backend(device_.is_cuda() ? BackendKind::nccl
+                                         : BackendKind::gloo);
+      g->collectives_ = collectives_;
+      g->bytes_ = bytes_;
+      auto side_store = compat::make_prefix_store("ddpkit/side", store_);
+      g->backend_ = make_backend(side_store, env_, g->opts_, timeout_);
+      if (shm_) {
+        try {
+          g->shm_ = ShmChannel::connect(
+              compat::make_prefix_store("ddpkit/side/shm", store_), env_.rank,
+              env_.world_size, timeout_);
+        } catch (const c10::Error& e) {
+          std::string what = e.what_without_backtrace();
+          throw DistError(ddpkit::detail::cat(
+              "rank ", env_.rank, ": setting up shared memory failed: ",
+              what.substr(0, what.find('\n'))));
+        }
+      }
+      side_->group = std::move(g);
+    }
+    return *side_->group;
   }
 
   /// How many collectives this group (and its copies) has started: every
@@ -418,10 +464,17 @@ class Group {
     }
   }
 
+  struct Side {
+    std::mutex mu;
+    std::shared_ptr<Group> group;
+  };
+
   DistEnv env_{};
+  GroupOptions opts_{};
   compat::StorePtr store_;
   compat::BackendPtr backend_;
   std::shared_ptr<ShmChannel> shm_;
+  std::shared_ptr<Side> side_ = std::make_shared<Side>();
   std::chrono::milliseconds timeout_{std::chrono::seconds(300)};
   torch::Device device_{torch::kCPU};
   std::shared_ptr<std::atomic<std::uint64_t>> collectives_ =

@@ -95,16 +95,26 @@ inline bool all_ranks_say(const compat::StorePtr& store, const std::string& key,
 /// unless every rank mapped it.
 class ShmSegment {
  public:
+  /// Byte ranges [offset, offset + length) of the segment.
+  using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
+
+  /// Collective: a segment of `bytes` every rank maps, or null on every
+  /// rank. Rank 0 creates the file at its full size without allocating it;
+  /// each rank then allocates `mine`, the parts it writes first (its own
+  /// region or slots), so on a multi-socket host their pages come from its
+  /// own NUMA node (first touch), not all from rank 0's. A rank that cannot
+  /// allocate its part (/dev/shm too small) makes every rank give up.
   static std::shared_ptr<ShmSegment> create(const compat::StorePtr& store,
                                             const std::string& key, int rank,
-                                            int world, std::size_t bytes) {
+                                            int world, std::size_t bytes,
+                                            const Ranges& mine) {
     using ddpkit::detail::cat;
     std::string path;
     if (rank == 0) {
       std::random_device rd;
       path = cat("/dev/shm/ddpkit-", ::getpid(), "-", rd());
       int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-      if (fd < 0 || ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) != 0) {
+      if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
         if (fd >= 0) ::close(fd);
         ::unlink(path.c_str());
         path.clear();  // tells the others: no segment
@@ -119,14 +129,20 @@ class ShmSegment {
     std::shared_ptr<ShmSegment> seg;
     if (!path.empty()) {
       int fd = ::open(path.c_str(), O_RDWR);
-      if (fd >= 0) {
+      bool allocated = fd >= 0;
+      for (const auto& [offset, length] : mine) {
+        allocated = allocated && offset + length <= bytes &&
+                    ::posix_fallocate(fd, static_cast<off_t>(offset),
+                                      static_cast<off_t>(length)) == 0;
+      }
+      if (allocated) {
         void* base =
             ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        ::close(fd);
         if (base != MAP_FAILED) {
           seg.reset(new ShmSegment(static_cast<char*>(base), bytes));
         }
       }
+      if (fd >= 0) ::close(fd);
     }
     // Everyone reports; the segment is used only if every rank mapped it.
     const bool all_ok = detail::all_ranks_say(store, key + "ok/", rank, world,
@@ -211,7 +227,16 @@ class ShmChannel {
 
     const std::size_t total =
         header_bytes(world) + 2 * static_cast<std::size_t>(world) * kSlotBytes;
-    auto seg = ShmSegment::create(store, k, rank, world, total);
+    // Rank 0 allocates the header; each rank its two slots.
+    ShmSegment::Ranges mine;
+    if (rank == 0) mine.emplace_back(0, header_bytes(world));
+    for (int b = 0; b < 2; ++b) {
+      mine.emplace_back(header_bytes(world) +
+                            static_cast<std::size_t>(b * world + rank) *
+                                static_cast<std::size_t>(kSlotBytes),
+                        static_cast<std::size_t>(kSlotBytes));
+    }
+    auto seg = ShmSegment::create(store, k, rank, world, total, mine);
     if (!seg) return nullptr;
     std::shared_ptr<ShmChannel> ch(
         new ShmChannel(std::move(seg), store, rank, world, timeout));
@@ -237,8 +262,10 @@ class ShmChannel {
         numel <= 0) {
       return {};
     }
-    auto seg = ShmSegment::create(store_, k, rank_, world_,
-                                  bytes * static_cast<std::size_t>(world_));
+    // Each rank allocates its own region (first touch on its NUMA node).
+    auto seg = ShmSegment::create(
+        store_, k, rank_, world_, bytes * static_cast<std::size_t>(world_),
+        {{bytes * static_cast<std::size_t>(rank_), bytes}});
     if (!seg) return {};
     auto arena = std::make_shared<ShmArena>(std::move(seg), bytes, rank_);
     {

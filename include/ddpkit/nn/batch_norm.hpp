@@ -51,7 +51,10 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
                                torch::Tensor bias, torch::Tensor running_mean,
                                torch::Tensor running_var, double eps,
                                double momentum, int64_t group_handle) {
-    const auto& g = *reinterpret_cast<const dist::Group*>(group_handle);
+    // The group's side channel: SyncBN's collectives never interleave with
+    // the DDP reducer's buckets (see dist::Group::side_group).
+    const auto g =
+        reinterpret_cast<const dist::Group*>(group_handle)->side_group();
     const auto dims = reduce_dims(x);
     const int64_t C = x.size(1);
     const double local_n = static_cast<double>(x.numel() / C);
@@ -230,9 +233,15 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     auto a = invstd * wd;
     auto b = -invstd * invstd * mean_dy_xmu * a;
     auto c = (mean * invstd * invstd * mean_dy_xmu - mean_dy) * a;
-    auto dx = dy * per_channel(a.to(cdt), x.dim());
+    // dy·a + c in one fused pass (batch norm in inference form with mean 0,
+    // variance 1 and eps 0), then + x·b: two passes over the activation,
+    // not three.
+    auto zero = torch::zeros({C}, mean_c.options());
+    auto one = torch::ones({C}, mean_c.options());
+    auto dx = torch::batch_norm(dy, a.to(cdt), c.to(cdt), zero, one,
+                                /*training=*/false, 0.0, /*eps=*/0.0,
+                                /*cudnn_enabled=*/false);
     dx.addcmul_(xc, per_channel(b.to(cdt), x.dim()));
-    dx.add_(per_channel(c.to(cdt), x.dim()));
     return {dx.to(x.dtype()), grad_weight,     grad_bias,
             torch::Tensor(),  torch::Tensor(), torch::Tensor(),
             torch::Tensor(),  torch::Tensor()};
@@ -333,9 +342,27 @@ class BatchNorm2dImpl : public torch::nn::Cloneable<BatchNorm2dImpl> {
 };
 TORCH_MODULE(BatchNorm2d);
 
-/// A BatchNorm2d that is meant to be synchronised (the same type; the name
-/// says the intent).
-using SyncBatchNorm = BatchNorm2d;
+/// A BatchNorm2d synchronised over `group` from construction (PyTorch's
+/// `SyncBatchNorm(num_features, process_group=group)`): no later
+/// `convert_sync_batchnorm` call is needed. It is a BatchNorm2d (same
+/// parameters, buffers and state dict; register it as one), so
+/// `set_sync_group` and `is_synchronized` work on it; over a group of one
+/// rank it is plain batch norm.
+///
+/// ```
+/// auto bn = register_module("bn", ddpkit::nn::SyncBatchNorm(64, group));
+/// ```
+class SyncBatchNorm : public BatchNorm2d {
+ public:
+  SyncBatchNorm(int64_t num_features, dist::Group group)
+      : SyncBatchNorm(torch::nn::BatchNormOptions(num_features),
+                      std::move(group)) {}
+  SyncBatchNorm(torch::nn::BatchNormOptions options, dist::Group group)
+      : BatchNorm2d(std::move(options)) {
+    (*this)->set_sync_group(std::move(group));
+  }
+  /* implicit */ SyncBatchNorm(std::nullptr_t) : BatchNorm2d(nullptr) {}
+};
 
 /// Makes every ddpkit BatchNorm2d in `module`'s tree a SyncBatchNorm over
 /// `group` (state is kept: it is the same module). Like PyTorch's

@@ -174,6 +174,12 @@ struct DataParallel {
     [[nodiscard]] NoSync no_sync() {
       return {};
     }
+    /// Mixed precision: the master's gradients (the replicas' summed into
+    /// them) divided by the loss scale; false if any is inf/NaN.
+    bool unscale_and_check(train::LossScaler& scaler) {
+      return scaler.unscale_and_check(as_module(model_).parameters(),
+                                      dist::Group(), false);
+    }
     double last_wait_seconds() const {
       return 0;
     }

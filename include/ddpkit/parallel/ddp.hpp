@@ -174,6 +174,19 @@ struct BasicDDP {
       return NoSync(reducer_.get());
     }
 
+    /// Mixed precision: divides every gradient by the loss scale (through
+    /// the reducer's flat buckets, which hold them all: a few large tensors,
+    /// not one per parameter) and tells whether the step may be taken: false
+    /// on every rank if any rank found an inf/NaN (one max all-reduce).
+    bool unscale_and_check(train::LossScaler& scaler) {
+      if (!reducer_) {
+        return scaler.unscale_and_check(as_module(model_).parameters(),
+                                        group_, false);
+      }
+      std::vector<torch::Tensor> flats;
+      for (const auto& b : reducer_->buckets()) flats.push_back(b.flat);
+      return scaler.unscale_and_check_gradients(flats, group_, true);
+    }
     double last_wait_seconds() const {
       return reducer_ ? reducer_->last_wait_seconds() : 0.0;
     }

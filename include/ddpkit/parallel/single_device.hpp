@@ -9,6 +9,7 @@
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/dist/process_group.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/train/amp.hpp"
 
 namespace ddpkit::parallel {
 
@@ -28,8 +29,8 @@ struct SingleDeviceOptions {};
 /// `is_multi_process`, `is_multi_replica`, an `options_type`, and a nested
 /// `engine<Model>` with: a constructor `(Model, dist::Group, options_type,
 /// torch::Device)`, `module()`, `forward(x)`, `forward_backward(x, y,
-/// loss_fn)` returning `StepOutput`, `zero_grad()`, `no_sync()` and
-/// `last_wait_seconds()`.
+/// loss_fn)` returning `StepOutput`, `zero_grad()`, `no_sync()`,
+/// `unscale_and_check(train::LossScaler&)` and `last_wait_seconds()`.
 struct SingleDevice {
   using parallel_concept = parallel_tag;
   static constexpr bool is_multi_process = false;
@@ -74,6 +75,12 @@ struct SingleDevice {
     struct NoSync {};
     [[nodiscard]] NoSync no_sync() {
       return {};
+    }
+    /// Mixed precision: divides the gradients by the loss scale; false (skip
+    /// the step) if any is inf/NaN.
+    bool unscale_and_check(train::LossScaler& scaler) {
+      return scaler.unscale_and_check(as_module(model_).parameters(),
+                                      dist::Group(), false);
     }
     double last_wait_seconds() const {
       return 0;

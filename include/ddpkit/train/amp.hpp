@@ -33,10 +33,21 @@ class LossScaler {
   /// `distributed`). Updates the scale. One host synchronisation.
   bool unscale_and_check(const std::vector<torch::Tensor>& params,
                          const dist::Group& group, bool distributed) {
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : params) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    return unscale_and_check_gradients(grads, group, distributed);
+  }
+
+  /// The same on gradient tensors themselves (e.g. the DDP reducer's flat
+  /// buckets, which hold every gradient: a few large tensors instead of one
+  /// per parameter).
+  bool unscale_and_check_gradients(const std::vector<torch::Tensor>& grads,
+                                   const dist::Group& group, bool distributed) {
     // One flag per device holding gradients, summed into the group's device.
     std::vector<std::vector<torch::Tensor>> by_device;
-    for (const auto& p : params) {
-      const auto& g = p.grad();
+    for (const auto& g : grads) {
       if (!g.defined()) continue;
       auto it = std::find_if(by_device.begin(), by_device.end(),
                              [&](const auto& v) {

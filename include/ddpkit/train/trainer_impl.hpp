@@ -343,8 +343,7 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         o.loss = o.loss / scale;
         // Unscale and check in one fused pass, one host sync; the step is
         // skipped everywhere if any rank overflowed.
-        if (scaler_.unscale_and_check(module.parameters(), group_,
-                                      Parallel::is_multi_process)) {
+        if (engine_.unscale_and_check(scaler_)) {
           optimizer_->step();
         }
       } else {
