@@ -56,14 +56,17 @@ inline void check_dense(const torch::Tensor& t, const char* what) {
 
 /// Starts an in-place all-reduce and returns its work handle (no wait). Mean
 /// is left to the caller; see `all_reduce` for the blocking form.
+/// `caller_waits`: the caller waits for the work at once (see
+/// ShmChannel::all_reduce_sum_async).
 inline compat::WorkPtr all_reduce_async(const Group& g, torch::Tensor& t,
-                                        Reduce op = Reduce::sum) {
+                                        Reduce op = Reduce::sum,
+                                        bool caller_waits = false) {
   g.count_collective(t.nbytes());
   // Sums of CPU tensors among ranks on one host go through shared memory.
   // The choice depends only on the tensor and op, the same on every rank.
   if (g.shm() && (op == Reduce::sum || op == Reduce::mean) &&
       ShmChannel::eligible(t)) {
-    return g.shm()->all_reduce_sum_async(t);
+    return g.shm()->all_reduce_sum_async(t, 1.0, caller_waits);
   }
   std::vector<torch::Tensor> ts{t};
   c10d::AllreduceOptions opts;
@@ -88,7 +91,8 @@ inline torch::Tensor& all_reduce(const Group& g, torch::Tensor& t,
                                  Reduce op = Reduce::sum) {
   detail::check_dense(t, "all_reduce");
   if (g.size() > 1) {
-    detail::wait(g, all_reduce_async(g, t, op), "all_reduce");
+    detail::wait(g, all_reduce_async(g, t, op, /*caller_waits=*/true),
+                 "all_reduce");
   }
   if (op == Reduce::mean) t.div_(g.size());
   return t;

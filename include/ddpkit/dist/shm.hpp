@@ -326,18 +326,41 @@ class ShmChannel {
   /// Calls must come in the same order on every rank (like any collective);
   /// ranks that disagree on the tensor's size or type, or on whether it is a
   /// shared buffer, all fail with an error saying so.
-  compat::WorkPtr all_reduce_sum_async(torch::Tensor t, double scale = 1.0) {
+  /// `caller_waits`: the caller will wait for this work at once (a blocking
+  /// all-reduce); then a small tensor (at most kInlineBytes, e.g. SyncBN's
+  /// statistics) found with nothing queued or running is reduced on the
+  /// calling thread: no hand-over to the channel's thread and back. Never
+  /// for work the caller does not wait for at once (the reducer's buckets):
+  /// blocking its thread there could deadlock against a collective on
+  /// another channel that the other ranks reach first.
+  compat::WorkPtr all_reduce_sum_async(torch::Tensor t, double scale = 1.0,
+                                       bool caller_waits = false) {
     operations_.fetch_add(1, std::memory_order_relaxed);
     auto work = c10::make_intrusive<detail::ChannelWork>();
     std::size_t offset = 0;
     auto arena = find_arena(t, &offset);
+    Op op{std::move(t), scale, std::move(arena), offset, work};
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back({std::move(t), scale, std::move(arena), offset, work});
+      if (!caller_waits || busy_ || !queue_.empty() ||
+          static_cast<int64_t>(op.tensor.nbytes()) > kInlineBytes) {
+        queue_.push_back(std::move(op));
+        cv_.notify_one();
+        return work;
+      }
+      busy_ = true;  // the channel's thread waits until this one is done
+    }
+    run(op);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
     }
     cv_.notify_one();
     return work;
   }
+
+  /// Largest tensor reduced on the calling thread (see all_reduce_sum_async).
+  static constexpr int64_t kInlineBytes = 64 << 10;
 
  private:
   // One cache line per rank: its sequence word (futex), its pid, and what
@@ -413,11 +436,23 @@ class ShmChannel {
       Op op;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        cv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !busy_); });
         if (queue_.empty()) return;  // stopping
         op = std::move(queue_.front());
         queue_.pop_front();
+        busy_ = true;
       }
+      run(op);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        busy_ = false;
+      }
+    }
+  }
+
+  // Runs one operation (one at a time: busy_) and completes its work.
+  void run(Op& op) {
+    {
       std::exception_ptr error = broken_;
       if (!error) {
         try {
@@ -625,6 +660,7 @@ class ShmChannel {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Op> queue_;
+  bool busy_ = false;  // an operation is running (on either thread)
   std::vector<std::weak_ptr<ShmArena>> arenas_;
   bool stop_ = false;
   std::exception_ptr broken_;
