@@ -208,51 +208,49 @@ def local(entries, md, summary):
     summary["local"] = {n: b["real_time"] for n, b in rows}
 
 
-# ----------------------------------------------------- communication hooks
-def hooks(entries, md, summary):
-    rows = [(n, b) for n, b in entries if n.startswith("comm/")]
+# ------------------------------- side-by-side settings (hooks, SyncBN)
+def side_by_side(entries, md, summary, prefix, setting, baseline, title, intro, columns):
+    """Entries `prefix/<model>/world:2/<setting>:<value>/round:R`, each row
+    with `columns` (counter, header, format) and its step time over the
+    `baseline` value's entry of the same round."""
+    rows = [(n, b) for n, b in entries if n.startswith(prefix + "/")]
     if not rows:
         return
-    md.append("## Communication hooks (world 2, side by side)\n")
-    md.append("bytes = what the step's gradient collectives carried; ratio = step time "
-              "over the all-reduce entry of the same round.\n")
-    md.append("| entry | bytes per step | step ms | wait ms | step vs allreduce |")
-    md.append("|---|---|---|---|---|")
-    plain, out = {}, {}
+    md.append(f"## {title}\n")
+    if intro:
+        md.append(intro + "\n")
+    heads = " | ".join(h for _, h, _ in columns)
+    md.append(f"| entry | {heads} | step vs {baseline} |")
+    md.append("|---|" + "---|" * (len(columns) + 1))
+    base, out = {}, {}
     for n, b in rows:
-        m = re.match(r"comm/(.+)/world:2/hook:(\w+)/round:(\d+)", n)
+        m = re.match(rf"{prefix}/(.+)/world:2/{setting}:(\w+)/round:(\d+)", n)
         if not m:
             continue
-        if m[2] == "allreduce":
-            plain[m[3]] = b["step_ms"]
-        ref = plain.get(m[3])
-        md.append(f"| {n} | {human(b.get('bytes_per_step', 0))} | {b['step_ms']:.1f} | "
-                  f"{b['wait_ms']:.1f} | {fmt(b['step_ms'] / ref if ref else None, 3)} |")
-        out[n] = {k: b.get(k) for k in ("bytes_per_step", "step_ms", "wait_ms")}
+        if m[2] == baseline:
+            base[m[3]] = b["step_ms"]
+        ref = base.get(m[3])
+        cells = " | ".join(f(b.get(k, 0)) for k, _, f in columns)
+        md.append(f"| {n} | {cells} | {fmt(b['step_ms'] / ref if ref else None, 3)} |")
+        out[n] = {k: b.get(k) for k, _, _ in columns}
     md.append("")
-    summary["hooks"] = out
+    summary[prefix] = out
+
+
+def hooks(entries, md, summary):
+    side_by_side(entries, md, summary, "comm", "hook", "allreduce",
+                 "Communication hooks (world 2, side by side)",
+                 "bytes = what the step's gradient collectives carried.",
+                 [("bytes_per_step", "bytes per step", human),
+                  ("step_ms", "step ms", lambda v: f"{v:.1f}"),
+                  ("wait_ms", "wait ms", lambda v: f"{v:.1f}")])
 
 
 def syncbn(entries, md, summary):
-    rows = [(n, b) for n, b in entries if n.startswith("syncbn/")]
-    if not rows:
-        return
-    md.append("## SyncBN vs plain BatchNorm (world 2, side by side)\n")
-    md.append("| entry | step ms | images/s | step vs plain |")
-    md.append("|---|---|---|---|")
-    plain, out = {}, {}
-    for n, b in rows:
-        m = re.match(r"syncbn/(.+)/world:2/bn:(\w+)/round:(\d+)", n)
-        if not m:
-            continue
-        if m[2] == "plain":
-            plain[m[3]] = b["step_ms"]
-        ref = plain.get(m[3])
-        md.append(f"| {n} | {b['step_ms']:.1f} | {b['images_per_s']:.1f} | "
-                  f"{fmt(b['step_ms'] / ref if ref else None, 3)} |")
-        out[n] = {k: b.get(k) for k in ("step_ms", "images_per_s")}
-    md.append("")
-    summary["syncbn"] = out
+    side_by_side(entries, md, summary, "syncbn", "bn", "plain",
+                 "SyncBN vs plain BatchNorm (world 2, side by side)", "",
+                 [("step_ms", "step ms", lambda v: f"{v:.1f}"),
+                  ("images_per_s", "images/s", lambda v: f"{v:.1f}")])
 
 
 # --------------------------------------------------------------- buckets
