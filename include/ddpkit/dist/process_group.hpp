@@ -157,19 +157,10 @@ class Group {
       shm = s == "1";
     }
     if (shm && g.device_.is_cpu()) {
-      auto prefixed =
-          compat::make_prefix_store("ddpkit/default_pg/shm", g.store_);
-      try {
-        // A collective through the channel waits as long as one over gloo
-        // (the collective timeout, not the rendezvous one).
-        g.shm_ = ShmChannel::connect(prefixed, env.rank, env.world_size,
-                                     coll_timeout);
-      } catch (const c10::Error& e) {
-        std::string what = e.what_without_backtrace();
-        throw DistError(ddpkit::detail::cat(
-            "rank ", env.rank, ": setting up shared memory failed: ",
-            what.substr(0, what.find('\n'))));
-      }
+      // A collective through the channel waits as long as one over gloo
+      // (the collective timeout, not the rendezvous one).
+      g.shm_ = connect_shm(g.store_, "ddpkit/default_pg/shm", env,
+                           coll_timeout);
     }
     return g;
   }
@@ -238,18 +229,7 @@ class Group {
       g->bytes_ = bytes_;
       auto side_store = compat::make_prefix_store("ddpkit/side", store_);
       g->backend_ = make_backend(side_store, env_, g->opts_, timeout_);
-      if (shm_) {
-        try {
-          g->shm_ = ShmChannel::connect(
-              compat::make_prefix_store("ddpkit/side/shm", store_), env_.rank,
-              env_.world_size, timeout_);
-        } catch (const c10::Error& e) {
-          std::string what = e.what_without_backtrace();
-          throw DistError(ddpkit::detail::cat(
-              "rank ", env_.rank, ": setting up shared memory failed: ",
-              what.substr(0, what.find('\n'))));
-        }
-      }
+      if (shm_) g->shm_ = connect_shm(store_, "ddpkit/side/shm", env_, timeout_);
       side_->group = std::move(g);
     }
     return *side_->group;
@@ -409,6 +389,22 @@ class Group {
                           " s waiting for ", env.world_size, " ranks (", n,
                           " joined; is every rank started, with the same "
                           "MASTER_ADDR/MASTER_PORT and WORLD_SIZE?)"));
+    }
+  }
+
+  // The shared-memory channel under `prefix` of the store (null unless
+  // every rank is on this host); a failure to set it up is a DistError.
+  static std::shared_ptr<ShmChannel> connect_shm(
+      const compat::StorePtr& store, const std::string& prefix,
+      const DistEnv& env, std::chrono::milliseconds timeout) {
+    try {
+      return ShmChannel::connect(compat::make_prefix_store(prefix, store),
+                                 env.rank, env.world_size, timeout);
+    } catch (const c10::Error& e) {
+      std::string what = e.what_without_backtrace();
+      throw DistError(ddpkit::detail::cat(
+          "rank ", env.rank, ": setting up shared memory failed: ",
+          what.substr(0, what.find('\n'))));
     }
   }
 

@@ -452,21 +452,19 @@ class ShmChannel {
 
   // Runs one operation (one at a time: busy_) and completes its work.
   void run(Op& op) {
-    {
-      std::exception_ptr error = broken_;
-      if (!error) {
-        try {
-          if (op.arena) {
-            reduce_in_place(op);
-          } else {
-            reduce(op.tensor, op.scale);
-          }
-        } catch (...) {
-          error = broken_ = std::current_exception();
+    std::exception_ptr error = broken_;
+    if (!error) {
+      try {
+        if (op.arena) {
+          reduce_in_place(op);
+        } else {
+          reduce(op.tensor, op.scale);
         }
+      } catch (...) {
+        error = broken_ = std::current_exception();
       }
-      op.work->complete(error);
     }
+    op.work->complete(error);
   }
 
   char* slot(int buffer, int r) const {

@@ -99,11 +99,7 @@ class CommFuture {
   /// Waits for the current collective and runs the next step (starting its
   /// collective, if any). `what` names the collective in errors.
   void advance(const dist::Group& g, const char* what) {
-    if (work_) {
-      auto work = std::move(work_);
-      work_.reset();
-      dist::detail::wait(g, work, what);
-    }
+    wait_work(g, what);
     if (!next_.empty()) {
       auto next = std::move(next_.front());
       next_.pop_front();
@@ -114,14 +110,19 @@ class CommFuture {
   /// (an abandoned step: its results are not wanted).
   void wait_current(const dist::Group& g, const char* what) {
     next_.clear();
-    if (work_) {
-      auto work = std::move(work_);
-      work_.reset();
-      dist::detail::wait(g, work, what);
-    }
+    wait_work(g, what);
   }
 
  private:
+  // Waits for the collective in flight, if any (it is gone after, even
+  // when the wait throws).
+  void wait_work(const dist::Group& g, const char* what) {
+    if (!work_) return;
+    auto work = std::move(work_);
+    work_.reset();
+    dist::detail::wait(g, work, what);
+  }
+
   dist::compat::WorkPtr work_;
   std::deque<Next> next_;
 };
@@ -323,7 +324,6 @@ class PowerSGD {
     }
     torch::NoGradGuard no_grad;
     auto step = std::make_shared<Step>();
-    step->buffer = b.buffer;
     int64_t plain_numel = 0, p_numel = 0, q_numel = 0;
     for (std::size_t j = 0; j < b.gradients.size(); ++j) {
       const auto& grad = b.gradients[j];
@@ -351,7 +351,6 @@ class PowerSGD {
       step->first.narrow(0, at, t.numel()).view(t.sizes()).copy_(t);
       at += t.numel();
     }
-    step->plain_numel = plain_numel;
     int64_t q_at = 0;
     for (auto& mat : step->matrices) {
       auto& st = state_[mat.param];
@@ -412,9 +411,8 @@ class PowerSGD {
     torch::Tensor input, p, q;
   };
   struct Step {
-    torch::Tensor buffer, first, qs;
+    torch::Tensor first, qs;  // [uncompressed..., Ps...] and the Qs
     std::vector<torch::Tensor> plain;
-    int64_t plain_numel = 0;
     std::vector<Matrix> matrices;
   };
   struct ParamState {

@@ -609,7 +609,7 @@ class Reducer {
   // Waits for every launched bucket, then resets. Returns the first
   // failure's message (empty when every bucket completed).
   std::string drain_and_reset() {
-    std::exception_ptr failed;
+    std::string error;
     if (state_ == StepState::running) ++abandoned_steps_;
     for (auto& b : buckets_) {
       // The collective in flight only: the hook's later steps (and the
@@ -617,19 +617,14 @@ class Reducer {
       if (!b.launched) continue;
       try {
         b.future.wait_current(group_, "gradient all-reduce");
+      } catch (const std::exception& e) {
+        if (error.empty()) error = e.what();
       } catch (...) {
-        if (!failed) failed = std::current_exception();
+        if (error.empty()) error = "unknown error";
       }
     }
     reset_step();
-    if (!failed) return {};
-    try {
-      std::rethrow_exception(failed);
-    } catch (const std::exception& e) {
-      return e.what();
-    } catch (...) {
-      return "unknown error";
-    }
+    return error;
   }
 
   void finish_abandoned() {
