@@ -4,8 +4,8 @@
 // small key/value file written by rank 0.
 #pragma once
 
-#include <array>
 #include <benchmark/benchmark.h>
+#include <array>
 
 #include <algorithm>
 #include <chrono>
@@ -225,11 +225,11 @@ struct HeadFirstNetImpl : torch::nn::Module {
     for (int k = 4; k >= 0; --k) {
       const int64_t in = k == 0 ? 3 : (k == 1 ? 64 : (k == 2 ? 128 : 256));
       const int64_t out = k == 0 ? 64 : (k == 1 ? 128 : 256);
-      convs[static_cast<std::size_t>(k)] = register_module(
-          "conv" + std::to_string(k),
-          torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3)
-                                .padding(1)
-                                .stride(k < 3 ? 2 : 1)));
+      convs[static_cast<std::size_t>(k)] =
+          register_module("conv" + std::to_string(k),
+                          torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3)
+                                                .padding(1)
+                                                .stride(k < 3 ? 2 : 1)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {

@@ -393,13 +393,12 @@ void register_all(const b::Args& o) {
     for (int round = 0; round < 2; ++round) {
       for (int rebuild : {0, 1}) {
         b::register_world(
-            "order/headfirst@64/b16/world:2/rebuild:" + std::to_string(rebuild) +
-                "/round:" + std::to_string(round + 1),
+            "order/headfirst@64/b16/world:2/rebuild:" +
+                std::to_string(rebuild) + "/round:" + std::to_string(round + 1),
             2,
-            {"--model=headfirst", "--image=64", "--batch=16",
-             "--bucket_mib=1", "--first_bucket_mib=1",
-             quick ? "--steps=12" : "--steps=24", "--warmup=3",
-             "--rebuild=" + std::to_string(rebuild)},
+            {"--model=headfirst", "--image=64", "--batch=16", "--bucket_mib=1",
+             "--first_bucket_mib=1", quick ? "--steps=12" : "--steps=24",
+             "--warmup=3", "--rebuild=" + std::to_string(rebuild)},
             b::all_counters);
       }
     }
@@ -429,8 +428,8 @@ void register_all(const b::Args& o) {
     for (int round = 0; round < 2; ++round) {
       for (int sync : {0, 1}) {
         b::register_world(
-            "syncbn/" + m.label() + "/world:2/bn:" +
-                std::string(sync ? "sync" : "plain") +
+            "syncbn/" + m.label() +
+                "/world:2/bn:" + std::string(sync ? "sync" : "plain") +
                 "/round:" + std::to_string(round + 1),
             2,
             cat(m.args(), {quick ? "--steps=6" : "--steps=12", "--warmup=2",

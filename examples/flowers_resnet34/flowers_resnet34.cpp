@@ -179,9 +179,9 @@ int main(int argc, char** argv) {
             if (p.requires_grad()) trainable.push_back(p);
           }
           return std::make_unique<torch::optim::SGD>(
-              trainable, torch::optim::SGDOptions(kLr)
-                             .momentum(kMomentum)
-                             .weight_decay(kWeightDecay));
+              trainable,
+              torch::optim::SGDOptions(kLr).momentum(kMomentum).weight_decay(
+                  kWeightDecay));
         };
         auto loader =
             ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);

@@ -112,11 +112,13 @@ concept engine_runs_forward = requires(E e, const torch::Tensor& x) {
 };
 
 template <class E>
-concept engine_runs_steps = requires(E e, const torch::Tensor& x,
-                                     torch::Tensor (*loss)(const torch::Tensor&,
-                                                           const torch::Tensor&)) {
+concept engine_runs_steps = requires(
+    E e, const torch::Tensor& x,
+    torch::Tensor (*loss)(const torch::Tensor&, const torch::Tensor&)) {
   { e.forward_backward(x, x, loss).loss } -> std::convertible_to<torch::Tensor>;
-  { e.forward_backward(x, x, loss).output } -> std::convertible_to<torch::Tensor>;
+  {
+    e.forward_backward(x, x, loss).output
+    } -> std::convertible_to<torch::Tensor>;
 };
 
 template <class E>
@@ -151,16 +153,18 @@ concept engine_unscales_gradients = requires(E e, train::LossScaler& s) {
 /// unscale_and_check(LossScaler&) (the only way the Trainer unscales), and
 /// the seconds the last step waited for communication.
 template <class P, class M, class Group>
-concept parallel_engine = has_engine_for<P, M> &&
-    engine_constructible_from<typename P::template engine<M>, M, Group,
-                              typename P::options_type> &&
-    engine_exposes_module<typename P::template engine<M>> &&
-    engine_runs_forward<typename P::template engine<M>> &&
-    engine_runs_steps<typename P::template engine<M>> &&
-    engine_zeroes_gradients<typename P::template engine<M>> &&
-    engine_accumulates_without_sync<typename P::template engine<M>> &&
-    engine_unscales_gradients<typename P::template engine<M>> &&
-    engine_reports_wait<typename P::template engine<M>>;
+concept parallel_engine = has_engine_for<P, M> && engine_constructible_from <
+                          typename P::template engine<M>,
+        M, Group,
+typename P::options_type >
+    &&engine_exposes_module<typename P::template engine<M>>&&
+        engine_runs_forward<typename P::template engine<M>>&& engine_runs_steps<
+            typename P::template engine<M>>&&
+            engine_zeroes_gradients<typename P::template engine<M>>&&
+                engine_accumulates_without_sync<
+                    typename P::template engine<M>>&&
+                    engine_unscales_gradients<typename P::template engine<M>>&&
+                        engine_reports_wait<typename P::template engine<M>>;
 
 // ---- batch-norm policies
 // -----------------------------------------------------

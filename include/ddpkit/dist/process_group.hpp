@@ -64,8 +64,8 @@ struct GroupOptions {
   /// What an NCCL collective that fails or never completes does (see
   /// NcclErrorHandling). A value the user set in the environment
   /// (TORCH_NCCL_BLOCKING_WAIT / TORCH_NCCL_ASYNC_ERROR_HANDLING) wins.
-  TORCH_ARG(NcclErrorHandling, nccl_error_handling) =
-      NcclErrorHandling::blocking_wait;
+  TORCH_ARG(NcclErrorHandling,
+            nccl_error_handling) = NcclErrorHandling::blocking_wait;
 };
 
 namespace detail {
@@ -140,7 +140,8 @@ class Group {
     g.backend_ = make_backend(g.store_, env, opts, coll_timeout);
     g.timeout_ = coll_timeout;
     g.opts_ = opts;
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && \
+    defined(DDPKIT_HAS_NCCL)
     if (dynamic_cast<c10d::ProcessGroupNCCL*>(g.backend_.get()) != nullptr) {
       g.device_ = torch::Device(torch::kCUDA, env.local_rank);
     }
@@ -159,8 +160,8 @@ class Group {
     if (shm && g.device_.is_cpu()) {
       // A collective through the channel waits as long as one over gloo
       // (the collective timeout, not the rendezvous one).
-      g.shm_ = connect_shm(g.store_, "ddpkit/default_pg/shm", env,
-                           coll_timeout);
+      g.shm_ =
+          connect_shm(g.store_, "ddpkit/default_pg/shm", env, coll_timeout);
     }
     return g;
   }
@@ -229,7 +230,8 @@ class Group {
       g->bytes_ = bytes_;
       auto side_store = compat::make_prefix_store("ddpkit/side", store_);
       g->backend_ = make_backend(side_store, env_, g->opts_, timeout_);
-      if (shm_) g->shm_ = connect_shm(store_, "ddpkit/side/shm", env_, timeout_);
+      if (shm_)
+        g->shm_ = connect_shm(store_, "ddpkit/side/shm", env_, timeout_);
       side_->group = std::move(g);
     }
     return *side_->group;
@@ -297,7 +299,8 @@ class Group {
               ": torchrun hosts the rendezvous store in its agent "
               "(TORCHELASTIC_USE_AGENT_STORE=True), and the agent is PyTorch "
               ">= 2.2 (it set TORCH_NCCL_ASYNC_ERROR_HANDLING): this ddpkit "
-              "build's libtorch ", ddpkit::compat::torch_version(),
+              "build's libtorch ",
+              ddpkit::compat::torch_version(),
               " cannot talk to that store and would wait forever. Launch "
               "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ..., or use "
               "torchrun from the PyTorch this build uses"));
@@ -402,9 +405,9 @@ class Group {
                                  env.rank, env.world_size, timeout);
     } catch (const c10::Error& e) {
       std::string what = e.what_without_backtrace();
-      throw DistError(ddpkit::detail::cat(
-          "rank ", env.rank, ": setting up shared memory failed: ",
-          what.substr(0, what.find('\n'))));
+      throw DistError(ddpkit::detail::cat("rank ", env.rank,
+                                          ": setting up shared memory failed: ",
+                                          what.substr(0, what.find('\n'))));
     }
   }
 
@@ -423,7 +426,8 @@ class Group {
     auto prefixed = compat::make_prefix_store("ddpkit/default_pg", store);
     try {
       if (kind == BackendKind::nccl) {
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && \
+    defined(DDPKIT_HAS_NCCL)
         return compat::make_nccl(
             prefixed, env.rank, env.world_size, timeout,
             opts.nccl_error_handling() == NcclErrorHandling::blocking_wait);

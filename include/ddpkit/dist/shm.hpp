@@ -231,10 +231,10 @@ class ShmChannel {
     ShmSegment::Ranges mine;
     if (rank == 0) mine.emplace_back(0, header_bytes(world));
     for (int b = 0; b < 2; ++b) {
-      mine.emplace_back(header_bytes(world) +
-                            static_cast<std::size_t>(b * world + rank) *
-                                static_cast<std::size_t>(kSlotBytes),
-                        static_cast<std::size_t>(kSlotBytes));
+      mine.emplace_back(
+          header_bytes(world) + static_cast<std::size_t>(b * world + rank) *
+                                    static_cast<std::size_t>(kSlotBytes),
+          static_cast<std::size_t>(kSlotBytes));
     }
     auto seg = ShmSegment::create(store, k, rank, world, total, mine);
     if (!seg) return nullptr;

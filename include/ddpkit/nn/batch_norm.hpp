@@ -148,14 +148,11 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
   // runs), statistics in float32 (float64 is the CPU path's choice, where
   // those kernels do not exist): per-rank mean and invstd, gathered with the
   // counts, merged on the device.
-  static torch::Tensor cuda_forward(torch::autograd::AutogradContext* ctx,
-                                    const torch::Tensor& x,
-                                    const torch::Tensor& weight,
-                                    const torch::Tensor& bias,
-                                    const torch::Tensor& running_mean,
-                                    const torch::Tensor& running_var,
-                                    double eps, double momentum,
-                                    const dist::Group& g, double local_n) {
+  static torch::Tensor cuda_forward(
+      torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+      const torch::Tensor& weight, const torch::Tensor& bias,
+      const torch::Tensor& running_mean, const torch::Tensor& running_var,
+      double eps, double momentum, const dist::Group& g, double local_n) {
     const int64_t C = x.size(1);
     torch::Tensor mean_l, invstd_l;
     if (local_n > 0) {
@@ -164,9 +161,9 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
       mean_l = torch::zeros({C}, x.options().dtype(torch::kFloat32));
       invstd_l = torch::zeros_like(mean_l);
     }
-    auto packed =
-        torch::cat({mean_l, invstd_l, torch::full({1}, local_n, mean_l.options())})
-            .to(g.device());
+    auto packed = torch::cat({mean_l, invstd_l,
+                              torch::full({1}, local_n, mean_l.options())})
+                      .to(g.device());
     auto all = torch::stack(dist::all_gather(g, packed)).to(x.device());
     auto mean_all = all.narrow(1, 0, C);
     auto invstd_all = all.narrow(1, C, C);
@@ -226,8 +223,7 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     const double eps = ctx->saved_data["eps"].toDouble();
     const auto cdt = mean_c.scalar_type();
     const auto xc = x.scalar_type() == cdt ? x : x.to(cdt);
-    const auto dy = grads[0].scalar_type() == cdt ? grads[0]
-                                                   : grads[0].to(cdt);
+    const auto dy = grads[0].scalar_type() == cdt ? grads[0] : grads[0].to(cdt);
     const int64_t C = x.size(1);
     // Σdy and Σdy·(x−μ) in one fused pass: the inference-form batch-norm
     // backward with the global μ and σ² gives Σdy as the bias gradient and
@@ -261,9 +257,8 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     dist::all_reduce(g, both);
     both = both.cpu();
     const auto mean64 = mean.contiguous();
-    const auto w64 = weight.defined()
-                         ? weight.to(torch::kFloat64).contiguous()
-                         : torch::ones({C}, torch::kFloat64);
+    const auto w64 = weight.defined() ? weight.to(torch::kFloat64).contiguous()
+                                      : torch::ones({C}, torch::kFloat64);
     auto abc = torch::empty({3, C}, torch::kFloat64);
     {
       const double* p = both.data_ptr<double>();

@@ -180,8 +180,8 @@ struct BasicDDP {
     /// on every rank if any rank found an inf/NaN (one max all-reduce).
     bool unscale_and_check(train::LossScaler& scaler) {
       if (!reducer_) {
-        return scaler.unscale_and_check(as_module(model_).parameters(),
-                                        group_, false);
+        return scaler.unscale_and_check(as_module(model_).parameters(), group_,
+                                        false);
       }
       std::vector<torch::Tensor> flats;
       for (const auto& b : reducer_->buckets()) flats.push_back(b.flat);

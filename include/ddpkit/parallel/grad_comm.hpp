@@ -132,8 +132,8 @@ class CommFuture {
 /// when present: `void prepare(const dist::Group&)` (collective set-up, by
 /// the reducer's constructor at the same point on every rank).
 template <class H>
-concept comm_hook = std::movable<H> && requires(H& h, const dist::Group& g,
-                                                GradBucket& b) {
+concept comm_hook = std::movable<H> &&
+    requires(H& h, const dist::Group& g, GradBucket& b) {
   { H::name } -> std::convertible_to<std::string_view>;
   { h.run(g, b) } -> std::same_as<CommFuture>;
 };
@@ -205,8 +205,8 @@ inline bool backend_sums(const dist::Group& g, c10::ScalarType dtype) {
       if (own != std::string::npos) why = why.substr(own + 3);
     }
     if (known == 0) {
-      auto f = torch::zeros({1}, torch::TensorOptions(torch::kFloat)
-                                     .device(g.device()));
+      auto f = torch::zeros(
+          {1}, torch::TensorOptions(torch::kFloat).device(g.device()));
       dist::all_reduce(g, f);  // throws PeerFailure if the group is broken
       known = 2;
       if (g.is_main()) {
@@ -294,9 +294,8 @@ class PowerSGD {
     if (opts_.rank() < 1 || opts_.start_step() < 0 ||
         !(opts_.min_compression_rate() >= 0)) {
       throw UsageError(ddpkit::detail::cat(
-          "PowerSGD: rank ", opts_.rank(), ", start_step ",
-          opts_.start_step(), ", min_compression_rate ",
-          opts_.min_compression_rate(),
+          "PowerSGD: rank ", opts_.rank(), ", start_step ", opts_.start_step(),
+          ", min_compression_rate ", opts_.min_compression_rate(),
           " (expected rank >= 1, start_step >= 0, min_compression_rate >= "
           "0)"));
     }
@@ -332,7 +331,8 @@ class PowerSGD {
         const int64_t r = std::min({n, m, opts_.rank()});
         if (static_cast<double>((n + m) * r) * opts_.min_compression_rate() <
             static_cast<double>(n * m)) {
-          step->matrices.push_back({b.parameters[j], grad, n, m, r, {}, {}, {}});
+          step->matrices.push_back(
+              {b.parameters[j], grad, n, m, r, {}, {}, {}});
           p_numel += n * r;
           q_numel += m * r;
           continue;
@@ -360,8 +360,8 @@ class PowerSGD {
           st.error.sizes() == mat.input.sizes()) {
         mat.input.add_(st.error);
       }
-      auto q = (opts_.warm_start() && st.q.defined() &&
-                st.q.size(0) == mat.m && st.q.size(1) == mat.r)
+      auto q = (opts_.warm_start() && st.q.defined() && st.q.size(0) == mat.m &&
+                st.q.size(1) == mat.r)
                    ? st.q.clone()
                    : random_q(mat, b.step);
       orthonormalise(q);
@@ -504,8 +504,7 @@ class RuntimeComm {
   }
 
  private:
-  std::variant<AllReduceMean, Fp16Compression, Bf16Compression, PowerSGD>
-      hook_;
+  std::variant<AllReduceMean, Fp16Compression, Bf16Compression, PowerSGD> hook_;
 };
 
 }  // namespace ddpkit::parallel

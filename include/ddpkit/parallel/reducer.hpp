@@ -18,8 +18,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -144,10 +144,9 @@ class Reducer {
       // A tensor registered under several names (tied weights) has one
       // gradient accumulator: one slot and one hook, as PyTorch's reducer
       // de-duplicates. Its name lists the others.
-      auto same = std::find_if(params_.begin(), params_.end(),
-                               [&](const torch::Tensor& p) {
-                                 return p.is_same(params[i]);
-                               });
+      auto same = std::find_if(
+          params_.begin(), params_.end(),
+          [&](const torch::Tensor& p) { return p.is_same(params[i]); });
       if (same != params_.end()) {
         names_[static_cast<std::size_t>(same - params_.begin())] +=
             " (also " + name + ")";
@@ -393,8 +392,8 @@ class Reducer {
       const int64_t tail_cap =
           std::min(opts_.last_bucket_cap_bytes(), opts_.bucket_cap_bytes());
       int64_t sum = 0;
-      while (tail < n && (tail == 0 ||
-                          sum + bytes_of(order[n - 1 - tail]) <= tail_cap)) {
+      while (tail < n &&
+             (tail == 0 || sum + bytes_of(order[n - 1 - tail]) <= tail_cap)) {
         sum += bytes_of(order[n - 1 - tail++]);
       }
     }
@@ -449,9 +448,8 @@ class Reducer {
   // point): rank 0's arrival order is broadcast and the buckets are rebuilt
   // in it; each gradient moves into its new bucket view.
   void rebuild_in_arrival_order() {
-    auto order_t =
-        torch::tensor(std::vector<int64_t>(arrival_.begin(), arrival_.end()),
-                      torch::kLong);
+    auto order_t = torch::tensor(
+        std::vector<int64_t>(arrival_.begin(), arrival_.end()), torch::kLong);
     if (!group_.device().is_cpu()) order_t = order_t.to(group_.device());
     dist::broadcast(group_, order_t, 0);
     order_t = order_t.cpu();
@@ -519,11 +517,10 @@ class Reducer {
         // would give its gradient; a parameter with gaps or overlaps gets
         // a contiguous one.
         auto slice = b.flat.narrow(0, b.offsets[j], p.numel());
-        b.views.push_back(
-            (p.is_non_overlapping_and_dense()
-                 ? slice.as_strided(p.sizes(), p.strides())
-                 : slice.view(p.sizes()))
-                .detach());
+        b.views.push_back((p.is_non_overlapping_and_dense()
+                               ? slice.as_strided(p.sizes(), p.strides())
+                               : slice.view(p.sizes()))
+                              .detach());
       }
     }
   }
@@ -595,8 +592,8 @@ class Reducer {
   // point on every rank.
   std::pair<torch::Tensor, dist::compat::WorkPtr> start_used_flags(
       const std::vector<uint8_t>* used) {
-    auto flags = torch::zeros({static_cast<int64_t>(params_.size())},
-                              torch::kInt32);
+    auto flags =
+        torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt32);
     if (used) {
       auto* f = flags.data_ptr<int32_t>();
       for (std::size_t i = 0; i < used->size(); ++i) f[i] = (*used)[i];
@@ -672,7 +669,7 @@ class Reducer {
   // state is guarded by mutex_.
   void on_accumulated(std::size_t i) {
     std::lock_guard<std::mutex> lock(mutex_);
-    used_[i] = 1;  // also under no_sync: it has a gradient to average
+    used_[i] = 1;           // also under no_sync: it has a gradient to average
     if (!enabled_) return;  // no_sync: the sum stays in .grad
     if (step_abandoned()) {
       throw Error(ddpkit::detail::cat(
@@ -745,8 +742,8 @@ class Reducer {
     auto& b = buckets_[bi];
     b.launch_time = Trace::clock::now();
     b.launched = true;
-    GradBucket view{bi, buckets_.size(), steps_completed_, b.flat, b.views,
-                    b.params};
+    GradBucket view{bi,     buckets_.size(), steps_completed_,
+                    b.flat, b.views,         b.params};
     b.future = comm_.run(group_, view);
   }
 
@@ -850,8 +847,7 @@ class Reducer {
       }
     }
     if (!failed && opts_.rebuild_buckets() && rebuilds_ == 0 &&
-        rebuild_allowed_ &&
-        arrival_.size() == params_.size()) {
+        rebuild_allowed_ && arrival_.size() == params_.size()) {
       rebuild_in_arrival_order();
     }
     ++steps_completed_;

@@ -49,10 +49,9 @@ class LossScaler {
     std::vector<std::vector<torch::Tensor>> by_device;
     for (const auto& g : grads) {
       if (!g.defined()) continue;
-      auto it = std::find_if(by_device.begin(), by_device.end(),
-                             [&](const auto& v) {
-                               return v.front().device() == g.device();
-                             });
+      auto it = std::find_if(
+          by_device.begin(), by_device.end(),
+          [&](const auto& v) { return v.front().device() == g.device(); });
       if (it == by_device.end()) {
         by_device.push_back({g});
       } else {
@@ -60,7 +59,8 @@ class LossScaler {
       }
     }
     auto found_inf = torch::zeros(
-        {1}, torch::TensorOptions().dtype(torch::kFloat32).device(group.device()));
+        {1},
+        torch::TensorOptions().dtype(torch::kFloat32).device(group.device()));
     for (auto& list : by_device) {
       const auto opts = list.front().options().dtype(torch::kFloat32);
       auto found = torch::zeros({1}, opts);

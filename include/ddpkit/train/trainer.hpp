@@ -147,8 +147,8 @@ inline torch::Device default_device(const dist::Group& g) {
 template <class Model, class Parallel, class Sampler, class BN,
           class LRScaling = NoScaling, class Reduction = RankZeroEval>
 requires trainable_model<Model> && parallel_policy<Parallel> &&
-    parallel_engine<Parallel, Model, dist::Group> &&
-    sampler_policy<Sampler> && bn_policy<BN> && lr_scaling_policy<LRScaling> &&
+    parallel_engine<Parallel, Model, dist::Group> && sampler_policy<Sampler> &&
+    bn_policy<BN> && lr_scaling_policy<LRScaling> &&
     reduction_policy<Reduction> &&
     sampler_matches_parallel_policy<Parallel, Sampler> &&
     bn_matches_parallel_policy<Parallel, BN>

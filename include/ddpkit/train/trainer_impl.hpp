@@ -288,8 +288,9 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
       hooks.on_epoch_begin(epoch);
     module.train();
     auto batches = loader.epoch(indices, static_cast<std::size_t>(epoch));
-    constexpr bool can_join =
-        requires(engine_type & e) { e.join_round(true); };
+    constexpr bool can_join = requires(engine_type & e) {
+      e.join_round(true);
+    };
     const bool join = multi && options_.uneven_inputs() == UnevenInputs::join;
     if (join && !can_join) {
       throw UsageError(ddpkit::detail::cat(
