@@ -88,7 +88,7 @@ try:
     print(json.dumps({"impl": "ddpkit", "data": "jpeg-folder", "mode": mode,
                       "device": "cuda", "image_size": 224, "batch_size": 64,
                       "steps": 20, "seconds": m["seconds"],
-                      "img_per_s": m["images_per_second"]}))
+                      "img_per_s": m["epoch_images_per_second"]}))
 except Exception as e:  # noqa: BLE001
     print(json.dumps({"error": f"flowers-resnet34-single {mode}: {e}"}))
 PY
@@ -135,7 +135,7 @@ if errors:
 out += ["", "`tensors`: random batches already on the GPU (the training step alone). "
         "`jpeg-folder`: a generated flower_photos-like JPEG folder (1500 images), "
         "20 training steps plus the validation pass per epoch, second epoch timed, "
-        "images/s = training images / epoch seconds (ddpkit's `images_per_second`)."]
+        "images/s = training images / epoch seconds (ddpkit's `epoch_images_per_second`)."]
 print("\n".join(out))
 PY
 cat "$OUT/GPU.md"

@@ -105,7 +105,7 @@ def main():
     with open(os.path.join(a.out, "epoch_time.svg"), "w") as f:
         f.write(svg_chart("Seconds per epoch against world size", "world size", "seconds / epoch",
                           sorted(by_example.items())))
-    lines = ["| run | mode | world size | epochs | best val_acc | final val_acc | test_acc | s/epoch | images/s |",
+    lines = ["| run | mode | world size | epochs | best val_acc | final val_acc | test_acc | s/epoch | train images/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s, ms = r["summary"], r["metrics"]
@@ -113,7 +113,7 @@ def main():
         test = s.get("test_acc")
         lines.append(f"| {os.path.basename(os.path.normpath(r['folder']))} | {s.get('mode', '?')} | {s.get('world_size', '?')} | {len(ms)} | "
                      f"{s.get('best_val_acc', 0):.4f} | {s.get('final_val_acc', 0):.4f} | "
-                     f"{'%.4f' % test if test is not None else '–'} | {spe:.1f} | {s.get('images_per_second', 0):.0f} |")
+                     f"{'%.4f' % test if test is not None else '–'} | {spe:.1f} | {s.get('train_images_per_second', s.get('images_per_second', 0)):.0f} |")
     md = "# ddpkit runs\n\n![accuracy](accuracy.svg)\n\n![epoch time](epoch_time.svg)\n\n" + "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "report.md"), "w") as f:
         f.write(md)

@@ -115,7 +115,11 @@ int main(int argc, char** argv) {
                         .seed(args.seed)
                         .verbose(!args.quiet)
                         .run_name("cifar10")
-                        .mixed_precision(args.amp);
+                        .mixed_precision(args.amp)
+                        .accumulate(args.accumulate)
+                        .clip(ddpkit::train::ClipOptions()
+                                  .max_norm(args.clip_grad_norm)
+                                  .max_value(args.clip_grad_value));
         auto parallel = ddpkit::parallel_options<Mode>(args.devices);
         [&](auto& p) {  // generic: only the ddp build's options have comm()
           if constexpr (requires { p.comm(); }) {

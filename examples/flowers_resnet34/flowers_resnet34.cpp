@@ -172,6 +172,10 @@ int main(int argc, char** argv) {
                         .verbose(!args.quiet)
                         .weights_pattern("weights/model-{epoch}.pt")
                         .mixed_precision(args.amp)
+                        .accumulate(args.accumulate)
+                        .clip(ddpkit::train::ClipOptions()
+                                  .max_norm(args.clip_grad_norm)
+                                  .max_value(args.clip_grad_value))
                         .run_name("flowers-resnet34");
         auto make_optimizer = [](std::vector<torch::Tensor> params) {
           std::vector<torch::Tensor> trainable;

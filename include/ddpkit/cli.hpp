@@ -30,6 +30,9 @@ struct CommonArgs {
   int workers = 2;             ///< loader threads
   bool quiet = false;
   bool amp = false;  ///< --amp: mixed precision (CUDA only)
+  int accumulate = 1;             ///< batches per optimizer step
+  double clip_grad_norm = 0;      ///< clip by global L2 norm (0: off)
+  double clip_grad_value = 0;     ///< clip each element (0: off)
 };
 
 /// Adds the common flags to `app`, with `args`' current values as defaults.
@@ -69,6 +72,22 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_flag("--quiet", args.quiet, "no per-epoch output");
+  app.add_option("--accumulate", args.accumulate,
+                 "gradient accumulation: batches per optimizer step (DDP "
+                 "communicates once per step)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  auto* by_norm =
+      app.add_option("--clip-grad-norm", args.clip_grad_norm,
+                     "clip the averaged gradients to this global L2 norm "
+                     "(0: off)")
+          ->check(CLI::NonNegativeNumber)
+          ->capture_default_str();
+  app.add_option("--clip-grad-value", args.clip_grad_value,
+                 "clip each averaged gradient element to [-V, V] (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->excludes(by_norm);
   app.add_flag("--amp,!--no-amp", args.amp,
                "mixed precision: float16 autocast and dynamic loss scaling "
                "(CUDA only)");

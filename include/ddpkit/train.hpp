@@ -3,6 +3,7 @@
 #pragma once
 
 #include "ddpkit/train/checkpoint.hpp"
+#include "ddpkit/train/clip.hpp"
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"

@@ -3,6 +3,7 @@
 #   run_example.sh BINARY OUT_DIR MIN_VAL_ACC [example args...]
 # Fails unless it exits 0, leaves exactly one summary/metrics set in OUT_DIR,
 # one metrics row per epoch, and ends with val_acc >= MIN_VAL_ACC.
+# EXPECT_SUMMARY: comma-separated texts summary.json must contain.
 set -euo pipefail
 bin=$1 out=$2 min_acc=$3
 shift 3
@@ -23,3 +24,7 @@ acc=$(sed -n 's/.*"final_val_acc": \([0-9.e-]*\).*/\1/p' "$out/summary.json")
 cat "$out/summary.json"
 awk -v a="$acc" -v m="$min_acc" 'BEGIN { if (a + 0 < m + 0) { printf "final val_acc %s below %s\n", a, m; exit 1 } }'
 echo "final val_acc $acc >= $min_acc"
+IFS=, read -ra wanted <<< "${EXPECT_SUMMARY:-}"
+for w in "${wanted[@]}"; do
+  grep -qF -- "$w" "$out/summary.json" || { echo "summary.json lacks $w"; exit 1; }
+done

@@ -173,6 +173,73 @@ DDPKIT_WORKER(trainer_scaling) {
                      : trainer_scaling_run<LinearScaling>();
 }
 
+namespace {
+
+/// No batch statistics and no dropout: k batches can equal one joined
+/// batch exactly (up to rounding).
+struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
+  MlpImpl() {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(3 * 32 * 32, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+train::OptimizerFactory sgd_momentum(double lr) {
+  return [lr](std::vector<torch::Tensor> p) {
+    return std::make_unique<torch::optim::SGD>(
+        p, torch::optim::SGDOptions(lr).momentum(0.9));
+  };
+}
+
+constexpr int kAccEpochs = 3;
+constexpr double kAccLr = 0.05;
+
+/// 20 training samples: one optimizer step per epoch in every run below.
+Data accumulation_data() {
+  return make_data(20, 10);
+}
+
+TrainerOptions accumulation_options(const fs::path& out, int accumulate,
+                                    double clip) {
+  return base_options(out, kAccEpochs)
+      .lr(kAccLr)
+      .verbose(false)
+      .accumulate(accumulate)
+      .clip(train::ClipOptions().max_norm(clip));
+}
+
+}  // namespace
+
+/// DDP at world 2 with T_BATCH per rank, T_ACC batches per step, clipping at
+/// T_CLIP (0: off). Writes the synchronised steps and the collectives
+/// started during fit.
+DDPKIT_WORKER(trainer_accumulate) {
+  auto g = test::worker_group();
+  const int batch = std::atoi(std::getenv("T_BATCH"));
+  const int acc = std::atoi(std::getenv("T_ACC"));
+  const double clip = std::atof(std::getenv("T_CLIP"));
+  torch::manual_seed(1);
+  auto d = accumulation_data();
+  DDPTrainer<Mlp> trainer(
+      Mlp(), sgd_momentum(kAccLr),
+      accumulation_options(test::worker_dir() / "out", acc, clip), g);
+  const auto before = g.collectives_started();
+  trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+              data::LoaderOptions(batch).workers(0));
+  std::ofstream(test::worker_dir() / ("counts" + std::to_string(g.rank())))
+      << trainer.engine().reducer()->steps_completed() << " "
+      << g.collectives_started() - before;
+  return 0;
+}
+
 TEST_SUITE("train") {
   TEST_CASE(
       "DDP at world 2: lr scaled by the policy, identical metrics on every "
@@ -216,6 +283,31 @@ TEST_SUITE("train") {
     CHECK(files == 5);  // last, best, metrics.jsonl, metrics.csv, summary.json
     auto jsonl = read_file(out / "metrics.jsonl");
     CHECK(count_of(jsonl, "\"epoch\":") == 2);
+    // Training and validation time apart, and training throughput over the
+    // training time alone.
+    std::istringstream rows(jsonl);
+    for (std::string row; std::getline(rows, row);) {
+      CAPTURE(row);
+      auto field = [&](const std::string& k) {
+        auto at = row.find("\"" + k + "\":");
+        REQUIRE(at != std::string::npos);
+        return std::stod(row.substr(at + k.size() + 3));
+      };
+      const double all = field("seconds"), tr = field("train_seconds"),
+                   val = field("val_seconds");
+      CHECK(tr > 0);
+      CHECK(val > 0);
+      CHECK(tr + val <= all);
+      // 96 training images, both ranks together.
+      CHECK(field("train_images_per_second") ==
+            doctest::Approx(96 / tr).epsilon(1e-6));
+      CHECK(field("epoch_images_per_second") ==
+            doctest::Approx(96 / all).epsilon(1e-6));
+    }
+    CHECK(read_file(out / "metrics.csv")
+              .find("epoch,train_loss,train_acc,val_loss,val_acc,lr,seconds,"
+                    "train_seconds,val_seconds,train_images_per_second,"
+                    "epoch_images_per_second\n") == 0);
     CHECK(count_of(read_file(out / "metrics.csv"), "\n") == 3);
     auto summary = read_file(out / "summary.json");
     CHECK(summary.find("\"mode\": \"ddp\"") != std::string::npos);
@@ -439,8 +531,25 @@ TEST_SUITE("train") {
     auto hist = train::open_checkpoint(dir / "history.pt");
     // EpochMetrics::from_tensor read 8 columns of what had 3.
     CHECK_THROWS_WITH_AS(train::read_resume_state(hist, dir / "history.pt"),
-                         doctest::Contains("'history' is not an N x 8 table"),
+                         doctest::Contains("'history' is not an N x 11 (or, "
+                                           "from format version 2, N x 8) "
+                                           "table"),
                          UsageError);
+
+    // A format-2 history (8 columns, whole-epoch images/s in the last)
+    // still resumes; the train/val split it never had is NaN.
+    b.write("history", torch::arange(16, torch::kFloat64).reshape({2, 8}));
+    train::atomic_save(b, dir / "v2.pt");
+    auto v2 = train::read_resume_state(train::open_checkpoint(dir / "v2.pt"),
+                                       dir / "v2.pt");
+    REQUIRE(v2.history.size() == 2);
+    CHECK(v2.history[1].epoch == 8);
+    CHECK(v2.history[1].seconds == 14);
+    CHECK(v2.history[1].epoch_images_per_second == 15);
+    CHECK(std::isnan(v2.history[1].train_seconds));
+    CHECK(std::isnan(v2.history[1].train_images_per_second));
+    CHECK(train::to_json(v2.history[1]).find("\"train_seconds\":null") !=
+          std::string::npos);
   }
 
   TEST_CASE("learning rates under each scaling policy and schedule") {
@@ -785,5 +894,168 @@ TEST_SUITE("train") {
     c10::IValue epochs;
     archive.read("epochs_done", epochs);
     CHECK(epochs.toInt() >= 1);
+  }
+
+  TEST_CASE(
+      "gradient accumulation and clipping: DDP at world 2 with k batches per "
+      "step equals one process on the joined batch, communicating once per "
+      "step; clipping acts on the averaged gradients") {
+    auto d = accumulation_data();
+    // One process, one batch of all 20 samples per step.
+    auto reference = [&](double clip) {
+      TempDir out;
+      torch::manual_seed(1);
+      SingleDeviceTrainer<Mlp> t(Mlp(), sgd_momentum(kAccLr),
+                                 accumulation_options(out.path(), 1, clip));
+      t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+            data::LoaderOptions(20).workers(0));
+      return model_of(out / "checkpoints" / "last.pt");
+    };
+    auto worst_diff = [](const c10::Dict<c10::IValue, c10::IValue>& a,
+                         const c10::Dict<c10::IValue, c10::IValue>& b) {
+      double worst = 0;
+      for (auto& kv : a) {
+        auto x = kv.value().toTensor(), y = b.at(kv.key()).toTensor();
+        worst = std::max(worst, ((x - y).abs().max() / y.abs().max())
+                                    .item<double>());
+      }
+      return worst;
+    };
+    struct Run {
+      std::string what;
+      int batch, acc;
+      double clip;
+    };
+    // The gradient's norm here is about 2 to 4: 0.5 clips every step.
+    const double clip = 0.5;
+    const auto plain = reference(0), clipped = reference(clip);
+    const double clip_effect = worst_diff(clipped, plain);
+    MESSAGE("clipping at 0.5 changes one process's weights by ", clip_effect);
+    CHECK(clip_effect > 1e-2);
+    std::uint64_t collectives[2] = {0, 0};
+    int i = 0;
+    for (const Run& run : {Run{"batch 10, no accumulation", 10, 1, 0.0},
+                           Run{"batches 4+4+2 per step", 4, 3, 0.0},
+                           Run{"batches 4+4+2 per step, clipped", 4, 3, clip}}) {
+      CAPTURE(run.what);
+      TempDir dir;
+      auto res = run_workers("trainer_accumulate", 2, dir.str(),
+                             {{"T_BATCH", std::to_string(run.batch)},
+                              {"T_ACC", std::to_string(run.acc)},
+                              {"T_CLIP", std::to_string(run.clip)}});
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      const double diff = worst_diff(model_of(dir / "out/checkpoints/last.pt"),
+                                     run.clip > 0 ? clipped : plain);
+      MESSAGE(run.what, ": relative difference to one process ", diff);
+      CHECK(diff < 1e-5);
+      for (int r = 0; r < 2; ++r) {
+        std::istringstream in(read_file(dir / ("counts" + std::to_string(r))));
+        std::int64_t steps = -1;
+        std::uint64_t started = 0;
+        in >> steps >> started;
+        // One synchronised step per optimizer step: 3 epochs of one step.
+        CHECK(steps == kAccEpochs);
+        if (i < 2) {
+          if (r == 0) collectives[i] = started;
+          CHECK(started == collectives[i]);
+        }
+      }
+      ++i;
+    }
+    // Three batches per step start no more collectives than one batch.
+    MESSAGE("collectives during fit: ", collectives[0], " without, ",
+            collectives[1], " with accumulation");
+    CHECK(collectives[1] == collectives[0]);
+  }
+
+  TEST_CASE("clip_gradients equals torch.nn.utils.clip_grad_norm_ and "
+            "clip_grad_value_") {
+    TempDir dir;
+    torch::manual_seed(5);
+    std::vector<std::pair<std::string, torch::Tensor>> items;
+    struct Case {
+      const char* name;
+      train::ClipOptions o;
+    };
+    const Case cases[] = {
+        {"norm2", train::ClipOptions().max_norm(0.5)},
+        {"norm2_loose", train::ClipOptions().max_norm(1e3)},
+        {"norm1.5", train::ClipOptions().max_norm(0.3).norm_type(1.5)},
+        {"norminf", train::ClipOptions().max_norm(0.1).norm_type(
+                        std::numeric_limits<double>::infinity())},
+        {"value", train::ClipOptions().max_value(0.05)},
+    };
+    for (const auto& c : cases) {
+      std::vector<torch::Tensor> params = {
+          torch::zeros({4, 3}).requires_grad_(),
+          torch::zeros({5}).requires_grad_(),
+          torch::zeros({2, 2}).requires_grad_()};  // no gradient
+      params[0].mutable_grad() = torch::randn({4, 3});
+      params[1].mutable_grad() = torch::randn({5}) * 0.1;
+      items.emplace_back(std::string(c.name) + ".g0", params[0].grad().clone());
+      items.emplace_back(std::string(c.name) + ".g1", params[1].grad().clone());
+      const double total = train::clip_gradients(params, c.o);
+      CHECK(!params[2].grad().defined());
+      items.emplace_back(std::string(c.name) + ".c0", params[0].grad());
+      items.emplace_back(std::string(c.name) + ".c1", params[1].grad());
+      items.emplace_back(std::string(c.name) + ".total",
+                         torch::tensor({total}, torch::kFloat64));
+    }
+    test::save_tensors(dir / "clip.pt", items);
+    const int rc = test::run_python_check(dir.path(), R"PY(
+import math, sys, torch
+d = torch.load(sys.argv[1] + "/clip.pt")
+cases = {"norm2": (0.5, 2.0, None), "norm2_loose": (1e3, 2.0, None),
+         "norm1.5": (0.3, 1.5, None), "norminf": (0.1, math.inf, None),
+         "value": (None, None, 0.05)}
+worst = 0.0
+for name, (max_norm, norm_type, value) in cases.items():
+    ps = [torch.zeros_like(d[name + ".g0"], requires_grad=True),
+          torch.zeros_like(d[name + ".g1"], requires_grad=True),
+          torch.zeros(2, 2, requires_grad=True)]
+    ps[0].grad = d[name + ".g0"].clone()
+    ps[1].grad = d[name + ".g1"].clone()
+    if value is None:
+        total = torch.nn.utils.clip_grad_norm_(ps, max_norm, norm_type).item()
+        diff = abs(total - d[name + ".total"].item()) / total
+        print(f"{name}: total norm torch {total:.6g}, ddpkit {d[name + '.total'].item():.6g}")
+        worst = max(worst, diff)
+    else:
+        torch.nn.utils.clip_grad_value_(ps, value)
+    for i in range(2):
+        diff = (ps[i].grad - d[f"{name}.c{i}"]).abs().max().item()
+        print(f"{name}: grad {i} max |torch - ddpkit| {diff:.3g}")
+        worst = max(worst, diff)
+    assert ps[2].grad is None
+print("worst", worst)
+sys.exit(0 if worst < 1e-6 else 1)
+)PY",
+                                          dir.str());
+    if (rc != -1) CHECK(rc == 0);
+  }
+
+  TEST_CASE("accumulation and clipping options: bad values name the option") {
+    TempDir out;
+    auto make = [&](TrainerOptions o) {
+      SingleDeviceTrainer<Mlp> t(Mlp(), sgd_momentum(0.1), o);
+    };
+    CHECK_THROWS_WITH_AS(make(base_options(out.path(), 1).accumulate(0)),
+                         doctest::Contains("accumulate 0 must be >= 1"),
+                         UsageError);
+    CHECK_THROWS_WITH_AS(
+        make(base_options(out.path(), 1).clip(
+            train::ClipOptions().max_norm(1).max_value(1))),
+        doctest::Contains("by norm (1) or by value (1), not both"),
+        UsageError);
+    CHECK_THROWS_WITH_AS(
+        make(base_options(out.path(), 1).clip(
+            train::ClipOptions().max_norm(-1))),
+        doctest::Contains("clip max_norm -1 must be a finite number >= 0"),
+        UsageError);
+    CHECK_THROWS_WITH_AS(
+        make(base_options(out.path(), 1).clip(
+            train::ClipOptions().max_norm(1).norm_type(0))),
+        doctest::Contains("clip norm_type 0 must be > 0"), UsageError);
   }
 }

@@ -38,7 +38,9 @@ using ddpkit::detail::before_rename_hook;
 
 /// The "format" entry of every checkpoint ddpkit writes, and its version.
 inline constexpr const char* kCheckpointFormat = "ddpkit.checkpoint";
-inline constexpr std::int64_t kCheckpointVersion = 2;
+/// Version 3 widened the history table (train/val seconds split); version
+/// 2 checkpoints still load.
+inline constexpr std::int64_t kCheckpointVersion = 3;
 
 /// A checkpoint's contents: named values (tensors, numbers, strings, and
 /// dicts or lists of them), in the order they were written.
@@ -323,12 +325,14 @@ inline ResumeState read_resume_state(const Checkpoint& archive,
   c10::IValue hist;
   if (archive.try_read("history", hist)) {
     const bool ok = hist.isTensor() && hist.toTensor().dim() == 2 &&
-                    hist.toTensor().size(1) == EpochMetrics::kFields &&
+                    (hist.toTensor().size(1) == EpochMetrics::kFields ||
+                     hist.toTensor().size(1) == EpochMetrics::kFieldsV2) &&
                     hist.toTensor().is_floating_point();
     if (!ok) {
       throw UsageError(ddpkit::detail::cat(
           "checkpoint ", file.string(), ": 'history' is not an N x ",
-          EpochMetrics::kFields, " table of numbers"));
+          EpochMetrics::kFields, " (or, from format version 2, N x ",
+          EpochMetrics::kFieldsV2, ") table of numbers"));
     }
     auto h = hist.toTensor().to(torch::kFloat64).contiguous();
     for (int64_t i = 0; i < h.size(0); ++i) {

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -23,21 +24,57 @@
 
 namespace ddpkit::train {
 
-/// One epoch's numbers, identical on every rank.
+/// One epoch's numbers, identical on every rank (times are rank 0's).
+///
+/// `train_seconds` runs from the epoch's start to the end of its last
+/// optimizer step (training metrics reduced across ranks), `val_seconds`
+/// covers the validation pass, `seconds` the whole epoch (both, plus
+/// checkpoints and files). `train_images_per_second` is training images
+/// (all ranks) per training second: the figure other tools call training
+/// throughput; `epoch_images_per_second` divides by the whole epoch.
+/// Rows read from checkpoints written before these were split have NaN
+/// (`null` in JSON) for the train/val split.
 struct EpochMetrics {
   int epoch = 0;  ///< 1-based, as printed
   double train_loss = 0, train_acc = 0, val_loss = 0, val_acc = 0, lr = 0,
-         seconds = 0, images_per_second = 0;
+         seconds = 0, train_seconds = 0, val_seconds = 0,
+         train_images_per_second = 0, epoch_images_per_second = 0;
 
-  static constexpr int kFields = 8;
+  /// Columns of the checkpoint's history table, in this order.
+  static constexpr int kFields = 11;
+  /// The history table's width in checkpoints of format version 2 (epoch,
+  /// train_loss, train_acc, val_loss, val_acc, lr, seconds,
+  /// images_per_second over the whole epoch); still read.
+  static constexpr int kFieldsV2 = 8;
   torch::Tensor to_tensor() const {
-    return torch::tensor({static_cast<double>(epoch), train_loss, train_acc,
-                          val_loss, val_acc, lr, seconds, images_per_second},
-                         torch::kFloat64);
+    return torch::tensor(
+        {static_cast<double>(epoch), train_loss, train_acc, val_loss, val_acc,
+         lr, seconds, train_seconds, val_seconds, train_images_per_second,
+         epoch_images_per_second},
+        torch::kFloat64);
   }
+  /// A row of `kFields` (or, from older checkpoints, `kFieldsV2`) numbers.
   static EpochMetrics from_tensor(const torch::Tensor& t) {
     auto a = t.accessor<double, 1>();
-    return {static_cast<int>(a[0]), a[1], a[2], a[3], a[4], a[5], a[6], a[7]};
+    EpochMetrics m;
+    m.epoch = static_cast<int>(a[0]);
+    m.train_loss = a[1];
+    m.train_acc = a[2];
+    m.val_loss = a[3];
+    m.val_acc = a[4];
+    m.lr = a[5];
+    m.seconds = a[6];
+    if (t.size(0) == kFieldsV2) {
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      m.train_seconds = m.val_seconds = m.train_images_per_second = nan;
+      m.epoch_images_per_second = a[7];
+    } else {
+      m.train_seconds = a[7];
+      m.val_seconds = a[8];
+      m.train_images_per_second = a[9];
+      m.epoch_images_per_second = a[10];
+    }
+    return m;
   }
 };
 
@@ -69,30 +106,51 @@ inline std::string json_escape(const std::string& s) {
 
 }  // namespace detail
 
+/// The metrics files' columns, in order.
+inline constexpr const char* kMetricsColumns[] = {
+    "epoch",         "train_loss",    "train_acc",
+    "val_loss",      "val_acc",       "lr",
+    "seconds",       "train_seconds", "val_seconds",
+    "train_images_per_second",        "epoch_images_per_second"};
+
+namespace detail {
+inline std::vector<std::string> metric_values(const EpochMetrics& m) {
+  return {std::to_string(m.epoch),
+          num(m.train_loss),
+          num(m.train_acc),
+          num(m.val_loss),
+          num(m.val_acc),
+          num(m.lr),
+          num(m.seconds),
+          num(m.train_seconds),
+          num(m.val_seconds),
+          num(m.train_images_per_second),
+          num(m.epoch_images_per_second)};
+}
+}  // namespace detail
+
 inline std::string to_json(const EpochMetrics& m) {
-  using detail::num;
-  return "{\"epoch\":" + std::to_string(m.epoch) +
-         ",\"train_loss\":" + num(m.train_loss) +
-         ",\"train_acc\":" + num(m.train_acc) +
-         ",\"val_loss\":" + num(m.val_loss) + ",\"val_acc\":" + num(m.val_acc) +
-         ",\"lr\":" + num(m.lr) + ",\"seconds\":" + num(m.seconds) +
-         ",\"images_per_second\":" + num(m.images_per_second) + "}";
+  const auto v = detail::metric_values(m);
+  std::string s = "{";
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    s += (i ? ",\"" : "\"") + std::string(kMetricsColumns[i]) + "\":" + v[i];
+  }
+  return s + "}";
 }
 
 /// Rewrites OUT/metrics.jsonl and OUT/metrics.csv from the whole history.
 inline void write_metrics_files(const std::filesystem::path& out,
                                 const std::vector<EpochMetrics>& history) {
-  using detail::num;
-  std::string jsonl,
-      csv =
-          "epoch,train_loss,train_acc,val_loss,val_acc,lr,seconds,"
-          "images_per_second\n";
+  std::string jsonl, csv;
+  for (const char* c : kMetricsColumns) {
+    csv += (csv.empty() ? "" : ",") + std::string(c);
+  }
+  csv += "\n";
   for (const auto& m : history) {
     jsonl += to_json(m) + "\n";
-    csv += std::to_string(m.epoch) + "," + num(m.train_loss) + "," +
-           num(m.train_acc) + "," + num(m.val_loss) + "," + num(m.val_acc) +
-           "," + num(m.lr) + "," + num(m.seconds) + "," +
-           num(m.images_per_second) + "\n";
+    const auto v = detail::metric_values(m);
+    for (std::size_t i = 0; i < v.size(); ++i) csv += (i ? "," : "") + v[i];
+    csv += "\n";
   }
   ddpkit::detail::write_atomically(out / "metrics.jsonl", jsonl);
   ddpkit::detail::write_atomically(out / "metrics.csv", csv);
@@ -169,9 +227,10 @@ class Progress {
     if (tty_) std::printf("\r\033[K");
     std::printf(
         "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc "
-        "%.4f  lr %.3g  %.1fs  %.0f img/s\n",
+        "%.4f  lr %.3g  %.1fs (train %.1fs, val %.1fs)  %.0f train img/s\n",
         m.epoch, epochs_, m.train_loss, m.train_acc, m.val_loss, m.val_acc,
-        m.lr, m.seconds, m.images_per_second);
+        m.lr, m.seconds, m.train_seconds, m.val_seconds,
+        m.train_images_per_second);
     std::fflush(stdout);
   }
 

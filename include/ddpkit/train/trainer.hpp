@@ -22,6 +22,7 @@
 #include "ddpkit/parallel/single_device.hpp"
 #include "ddpkit/train/amp.hpp"
 #include "ddpkit/train/checkpoint.hpp"
+#include "ddpkit/train/clip.hpp"
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"
@@ -75,6 +76,18 @@ struct TrainerOptions {
   /// CUDA only: autocast forward and a dynamic loss scale whose overflow
   /// check is reduced across ranks.
   TORCH_ARG(bool, mixed_precision) = false;
+  /// Gradient accumulation: this many batches per optimizer step (1: none).
+  /// The gradients of the first k-1 are kept locally (the engine's
+  /// `no_sync`: DDP communicates once per step, on the last batch), and
+  /// each batch's loss is weighted by its share of the step's samples, so
+  /// k batches of b equal one batch of k*b (a short last step at the end
+  /// of an epoch included). `max_steps` still counts batches. Not with
+  /// `uneven_inputs(join)`.
+  TORCH_ARG(int, accumulate) = 1;
+  /// Gradient clipping (off by default), applied to the averaged gradients
+  /// before each optimizer step; with mixed precision after unscaling, and
+  /// only on steps that are taken.
+  TORCH_ARG(ClipOptions, clip) = {};
 };
 
 /// The result of `fit`.

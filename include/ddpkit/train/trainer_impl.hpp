@@ -40,6 +40,18 @@ DDPKIT_TRAINER::Trainer(Model model, OptimizerFactory make_optimizer,
   if (options_.max_steps() < 0) {
     throw UsageError(cat("max_steps ", options_.max_steps(), " must be >= 0"));
   }
+  if (options_.accumulate() < 1) {
+    throw UsageError(cat("accumulate ", options_.accumulate(),
+                         " must be >= 1 (batches per optimizer step)"));
+  }
+  if (options_.accumulate() > 1 &&
+      options_.uneven_inputs() == UnevenInputs::join) {
+    throw UsageError(cat("accumulate ", options_.accumulate(),
+                         " cannot be combined with uneven_inputs(join): a "
+                         "rank that has run out cannot tell which of the "
+                         "others' batches communicate"));
+  }
+  options_.clip().check();
   optimizer_ =
       make_optimizer(parallel::as_module(engine_.module()).parameters());
   if (!optimizer_) throw UsageError("the optimizer factory returned nothing");
@@ -211,13 +223,27 @@ void DDPKIT_TRAINER::write_summary(const FitResult& r,
         .add("gradient_bytes_per_step",
              static_cast<double>(engine_.last_step_bytes()));
   }
-  double images = 0, seconds = 0;
+  // Over the epochs with a train/val split (older checkpoints' rows have
+  // none: NaN).
+  double images = 0, seconds = 0, train_seconds = 0;
   for (const auto& m : r.history) {
-    images += m.images_per_second * m.seconds;
+    if (!std::isfinite(m.train_seconds)) continue;
+    images += m.epoch_images_per_second * m.seconds;
     seconds += m.seconds;
+    train_seconds += m.train_seconds;
   }
   j.add("total_seconds", r.total_seconds)
-      .add("images_per_second", seconds > 0 ? images / seconds : 0.0);
+      .add("train_images_per_second",
+           train_seconds > 0 ? images / train_seconds : 0.0)
+      .add("epoch_images_per_second", seconds > 0 ? images / seconds : 0.0);
+  if (options_.accumulate() > 1) j.add("accumulate", options_.accumulate());
+  if (options_.clip().max_norm() > 0) {
+    j.add("clip_grad_norm", options_.clip().max_norm())
+        .add("clip_norm_type", options_.clip().norm_type());
+  }
+  if (options_.clip().max_value() > 0) {
+    j.add("clip_grad_value", options_.clip().max_value());
+  }
   ddpkit::detail::write_atomically(
       std::filesystem::path(options_.out_dir()) / "summary.json", j.str());
 }
@@ -316,60 +342,96 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     progress.begin_epoch(epoch + 1, epochs, batches.size());
     double loss_sum = 0, correct = 0, count = 0;
     std::size_t step = 0;
+    const auto k = static_cast<std::size_t>(options_.accumulate());
+    std::vector<data::Batch> group;  // one optimizer step's batches
     for (;;) {
-      auto batch = batches.next();
+      group.clear();
       if constexpr (can_join) {
         if (join) {
           // Every rank, every round; a rank without a batch shadows the
-          // others' all-reduces inside join_round.
+          // others' all-reduces inside join_round (accumulate is 1 here).
+          auto batch = batches.next();
           if (!engine_.join_round(batch.has_value())) break;
           if (!batch) continue;
+          group.push_back(std::move(*batch));
         }
       }
-      if (!batch) break;
-      torch::Tensor x = batch->data.to(device_, /*non_blocking=*/true);
-      torch::Tensor y = batch->target.to(device_, /*non_blocking=*/true);
+      if (!join) {
+        while (group.size() < k) {
+          auto batch = batches.next();
+          if (!batch) break;
+          group.push_back(std::move(*batch));
+        }
+      }
+      if (group.empty()) break;
+      // Each batch's loss counts by its share of the step's samples, so the
+      // summed gradients are those of the joined batch.
+      double group_samples = 0;
+      for (const auto& b : group) {
+        group_samples += static_cast<double>(b.target.size(0));
+      }
       engine_.zero_grad();
       const bool amp = options_.mixed_precision() && device_.is_cuda();
-      parallel::StepOutput o;
-      if (amp) {
-        const double scale = scaler_.scale();
-        {
-          ddpkit::compat::AutocastGuard autocast(true, torch::kHalf);
-          o = engine_.forward_backward(
+      const double scale = amp ? scaler_.scale() : 1.0;
+      for (std::size_t i = 0; i < group.size(); ++i) {
+        torch::Tensor x = group[i].data.to(device_, /*non_blocking=*/true);
+        torch::Tensor y = group[i].target.to(device_, /*non_blocking=*/true);
+        const double n = static_cast<double>(y.size(0));
+        const double weight = group.size() == 1 ? 1.0 : n / group_samples;
+        // Loss as backpropagated: weighted, and scaled under AMP.
+        const double factor = weight * scale;
+        parallel::StepOutput o;
+        auto run = [&] {
+          if (amp) {
+            ddpkit::compat::AutocastGuard autocast(true, torch::kHalf);
+            return engine_.forward_backward(
+                x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
+                  return loss_fn_(a.to(torch::kFloat32), b) * factor;
+                });
+          }
+          if (factor == 1.0) return engine_.forward_backward(x, y, loss_fn_);
+          return engine_.forward_backward(
               x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
-                return loss_fn_(a.to(torch::kFloat32), b) * scale;
+                return loss_fn_(a, b) * factor;
               });
+        };
+        if (i + 1 < group.size()) {
+          [[maybe_unused]] auto local_only = engine_.no_sync();  // sync last
+          o = run();
+        } else {
+          o = run();
         }
-        o.loss = o.loss / scale;
-        // Unscale and check in one fused pass, one host sync; the step is
-        // skipped everywhere if any rank overflowed.
-        if (engine_.unscale_and_check(scaler_)) {
-          optimizer_->step();
+        const double loss = factor == 1.0
+                                ? o.loss.template item<double>()
+                                : o.loss.template item<double>() / factor;
+        loss_sum += loss * n;
+        correct += o.output.argmax(1).eq(y).sum().template item<double>();
+        count += n;
+        ++step;
+        double secs = std::chrono::duration<double>(clock::now() - t0).count();
+        progress.step(step, loss_sum / count,
+                      secs > 0 ? count * world / secs : 0);
+        if constexpr (requires { hooks.on_step_end(StepInfo{}); }) {
+          hooks.on_step_end(StepInfo{epoch, step, loss});
         }
-      } else {
-        o = engine_.forward_backward(x, y, loss_fn_);
-        optimizer_->step();
       }
-      const double n = static_cast<double>(y.size(0));
-      loss_sum += o.loss.template item<double>() * n;
-      correct += o.output.argmax(1).eq(y).sum().template item<double>();
-      count += n;
-      ++step;
-      double secs = std::chrono::duration<double>(clock::now() - t0).count();
-      progress.step(step, loss_sum / count,
-                    secs > 0 ? count * world / secs : 0);
-      if constexpr (requires { hooks.on_step_end(StepInfo{}); }) {
-        hooks.on_step_end(
-            StepInfo{epoch, step, o.loss.template item<double>()});
+      // The gradients are averaged now; unscale (AMP: one fused pass, one
+      // host sync, and the step is skipped everywhere if any rank
+      // overflowed), clip, step.
+      if (amp && !engine_.unscale_and_check(scaler_)) continue;
+      if (options_.clip().enabled()) {
+        clip_gradients(module.parameters(), options_.clip());
       }
+      optimizer_->step();
     }
     // Training metrics over every rank's samples.
     auto t = torch::tensor({loss_sum, correct, count}, torch::kFloat64)
                  .to(group_.device());
     if (multi) dist::all_reduce(group_, t);
     t = t.cpu();
+    const auto t_train = clock::now();
     auto ev = evaluate(val, eval_transform, lo);
+    const auto t_val = clock::now();
     EpochMetrics m;
     m.epoch = epoch + 1;
     const double total = t[2].template item<double>();
@@ -378,12 +440,26 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     m.val_loss = ev.loss;
     m.val_acc = ev.accuracy;
     m.lr = lr;
-    m.seconds = std::chrono::duration<double>(clock::now() - t0).count();
+    const auto since = [](auto a, auto b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
+    m.seconds = since(t0, clock::now());
+    m.train_seconds = since(t0, t_train);
+    m.val_seconds = since(t_train, t_val);
     if (multi) {
       // Every rank records rank 0's clock, so all hold identical numbers.
-      m.seconds = dist::broadcast_value(group_, m.seconds, 0);
+      auto times = torch::tensor({m.seconds, m.train_seconds, m.val_seconds},
+                                 torch::kFloat64)
+                       .to(group_.device());
+      dist::broadcast(group_, times, 0);
+      times = times.cpu();
+      m.seconds = times[0].template item<double>();
+      m.train_seconds = times[1].template item<double>();
+      m.val_seconds = times[2].template item<double>();
     }
-    m.images_per_second = m.seconds > 0 ? total / m.seconds : 0;
+    m.train_images_per_second =
+        m.train_seconds > 0 ? total / m.train_seconds : 0;
+    m.epoch_images_per_second = m.seconds > 0 ? total / m.seconds : 0;
     result.history.push_back(m);
     // Decisions use only values every rank holds, so every rank decides
     // the same.
