@@ -6,7 +6,9 @@
 #     and the matching torchvision from PyPI, in a Python virtual
 #     environment (default .venv in the repository, ignored by git): the
 #     libtorch ddpkit builds against by default, and the Python the
-#     interoperability and torchrun tests run.
+#     interoperability and torchrun tests run; with TensorBoard (PyPI
+#     `tensorboard`, DDPKIT_TENSORBOARD_VERSION, default 2.21.0), whose
+#     reader the TensorBoard tests use.
 # Does nothing, and needs no network, when everything is already there.
 #
 #   DDPKIT_VENV=DIR        the environment's folder (default .venv)
@@ -38,6 +40,7 @@ fi
 venv=${DDPKIT_VENV:-.venv}
 torch_v=${DDPKIT_TORCH_VERSION:-2.11.0}
 vision_v=${DDPKIT_TORCHVISION_VERSION:-0.26.0}
+tb_v=${DDPKIT_TENSORBOARD_VERSION:-2.21.0}
 # Already there: torch and torchvision of these versions are installed.
 if [[ -x "$venv/bin/python3" ]] &&
    "$venv/bin/python3" - "$torch_v" "$vision_v" 2>/dev/null <<'PY'
@@ -48,6 +51,18 @@ ok = (version("torch").split("+")[0] == sys.argv[1]
 sys.exit(0 if ok else 1)
 PY
 then
+  # TensorBoard (about 15 MB with its dependencies), added to an environment
+  # made before the tests needed it.
+  if ! "$venv/bin/python3" - "$tb_v" 2>/dev/null <<'PY'
+import sys
+from importlib.metadata import version
+sys.exit(0 if version("tensorboard") == sys.argv[1] else 1)
+PY
+  then
+    echo "ddpkit: installing tensorboard==$tb_v from PyPI into $venv" >&2
+    "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check \
+      --no-cache-dir "tensorboard==$tb_v"
+  fi
   exit 0
 fi
 # The wheels take about 3 GB to download and 5 GB installed; pip unpacks
@@ -66,5 +81,5 @@ echo "ddpkit: installing torch==$torch_v and torchvision==$vision_v from PyPI in
 [[ -x "$venv/bin/python3" ]] || python3 -m venv "$venv"
 # --no-cache-dir: pip's HTTP cache would keep a second copy of every wheel.
 "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check \
-  --no-cache-dir "torch==$torch_v" "torchvision==$vision_v"
+  --no-cache-dir "torch==$torch_v" "torchvision==$vision_v" "tensorboard==$tb_v"
 "$venv/bin/python3" -c "import torch; print('ddpkit: PyTorch', torch.__version__, 'in $venv')" >&2

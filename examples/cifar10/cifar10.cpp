@@ -117,6 +117,8 @@ int main(int argc, char** argv) {
                         .run_name("cifar10")
                         .mixed_precision(args.amp)
                         .accumulate(args.accumulate)
+                        .tensorboard(args.tensorboard)
+                        .log_every_n_steps(args.log_every_n_steps)
                         .clip(ddpkit::train::ClipOptions()
                                   .max_norm(args.clip_grad_norm)
                                   .max_value(args.clip_grad_value));

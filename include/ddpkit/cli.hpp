@@ -33,6 +33,8 @@ struct CommonArgs {
   int accumulate = 1;             ///< batches per optimizer step
   double clip_grad_norm = 0;      ///< clip by global L2 norm (0: off)
   double clip_grad_value = 0;     ///< clip each element (0: off)
+  bool tensorboard = true;        ///< rank 0 writes OUT/tb event files
+  int log_every_n_steps = 50;     ///< train/loss_step every N batches
 };
 
 /// Adds the common flags to `app`, with `args`' current values as defaults.
@@ -88,6 +90,13 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str()
       ->excludes(by_norm);
+  app.add_flag("--tensorboard,!--no-tensorboard", args.tensorboard,
+               "write TensorBoard event files to OUT/tb (rank 0; on by "
+               "default)");
+  app.add_option("--log-every-n-steps", args.log_every_n_steps,
+                 "TensorBoard: log the batch loss every N batches (0: never)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_flag("--amp,!--no-amp", args.amp,
                "mixed precision: float16 autocast and dynamic loss scaling "
                "(CUDA only)");

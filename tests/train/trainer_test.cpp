@@ -280,7 +280,13 @@ TEST_SUITE("train") {
     int files = 0;
     for (auto& e : fs::recursive_directory_iterator(out))
       files += e.is_regular_file();
-    CHECK(files == 5);  // last, best, metrics.jsonl, metrics.csv, summary.json
+    // last, best, metrics.jsonl, metrics.csv, summary.json, one event file
+    CHECK(files == 6);
+    int events = 0;
+    for (auto& e : fs::directory_iterator(out / "tb")) {
+      events += e.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+    }
+    CHECK(events == 1);
     auto jsonl = read_file(out / "metrics.jsonl");
     CHECK(count_of(jsonl, "\"epoch\":") == 2);
     // Training and validation time apart, and training throughput over the

@@ -308,6 +308,9 @@ struct ResumeState {
   int best_epoch = 0;
   int bad_epochs = 0;
   double loss_scale = 1;
+  /// Batches trained so far (TensorBoard's step axis); 0 when the
+  /// checkpoint predates it (format 2).
+  std::int64_t global_step = 0;
   std::vector<EpochMetrics> history;
 };
 
@@ -322,6 +325,11 @@ inline ResumeState read_resume_state(const Checkpoint& archive,
   r.best_epoch = read_checkpoint_int(archive, "best_epoch", file, -1, kMax);
   r.bad_epochs = read_checkpoint_int(archive, "bad_epochs", file, 0, kMax);
   r.loss_scale = read_checkpoint_scalar(archive, "loss_scale", file);
+  c10::IValue step;
+  if (archive.try_read("global_step", step)) {
+    r.global_step = read_checkpoint_int(archive, "global_step", file, 0,
+                                        std::numeric_limits<int>::max());
+  }
   c10::IValue hist;
   if (archive.try_read("history", hist)) {
     const bool ok = hist.isTensor() && hist.toTensor().dim() == 2 &&

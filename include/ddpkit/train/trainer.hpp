@@ -26,6 +26,7 @@
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"
+#include "ddpkit/train/tensorboard.hpp"
 
 namespace ddpkit::train {
 
@@ -88,6 +89,15 @@ struct TrainerOptions {
   /// before each optimizer step; with mixed precision after unscaling, and
   /// only on steps that are taken.
   TORCH_ARG(ClipOptions, clip) = {};
+  /// Rank 0 writes TensorBoard event files to OUT/tb: per epoch (step =
+  /// epoch, 1-based) the recipe's tags train/loss, train/acc, val/loss,
+  /// val/acc, lr, plus train/images_per_second, time/train_seconds and
+  /// time/val_seconds; per batch train/loss_step (below); the run's
+  /// settings as text (tag "hparams"). Flushed at each epoch's end.
+  TORCH_ARG(bool, tensorboard) = true;
+  /// Every this many batches (counted over the whole run, resumes
+  /// included) rank 0 logs its batch loss as train/loss_step (0: never).
+  TORCH_ARG(int, log_every_n_steps) = 50;
 };
 
 /// The result of `fit`.
@@ -226,6 +236,7 @@ class Trainer {
                        int best_epoch, int bad_epochs);
   int try_resume(std::vector<EpochMetrics>& history, double& best,
                  int& best_epoch, int& bad_epochs);
+  std::string hparams_markdown(const data::LoaderOptions& lo) const;
   template <class Dataset, class EvalTransform>
   torch::Tensor eval_sums(const Dataset& set, EvalTransform& tf,
                           const data::LoaderOptions& lo,
@@ -243,6 +254,7 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   CrossEntropy loss_fn_;
   LossScaler scaler_;
+  std::int64_t global_step_ = 0;  ///< batches trained, resumes included
 };
 
 }  // namespace ddpkit::train

@@ -40,6 +40,10 @@ DDPKIT_TRAINER::Trainer(Model model, OptimizerFactory make_optimizer,
   if (options_.max_steps() < 0) {
     throw UsageError(cat("max_steps ", options_.max_steps(), " must be >= 0"));
   }
+  if (options_.log_every_n_steps() < 0) {
+    throw UsageError(cat("log_every_n_steps ", options_.log_every_n_steps(),
+                         " must be >= 0 (0: never)"));
+  }
   if (options_.accumulate() < 1) {
     throw UsageError(cat("accumulate ", options_.accumulate(),
                          " must be >= 1 (batches per optimizer step)"));
@@ -149,6 +153,7 @@ void DDPKIT_TRAINER::save_checkpoint(const std::filesystem::path& path,
   archive.write("world_size", static_cast<int64_t>(group_.size()));
   archive.write("seed", static_cast<int64_t>(options_.seed()));
   archive.write("loss_scale", scaler_.scale());
+  archive.write("global_step", global_step_);
   auto hist = torch::zeros(
       {static_cast<int64_t>(history.size()), EpochMetrics::kFields},
       torch::kFloat64);
@@ -192,12 +197,43 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
   best_epoch = state.best_epoch;
   bad_epochs = state.bad_epochs;
   scaler_.set_scale(state.loss_scale);
+  global_step_ = state.global_step;
   history = state.history;
   if (is_main() && options_.verbose()) {
     std::printf("resumed from %s after epoch %d (best val_acc %.4f)\n",
                 path.c_str(), done, best);
   }
   return done;
+}
+
+DDPKIT_TRAINER_TEMPLATE
+std::string DDPKIT_TRAINER::hparams_markdown(
+    const data::LoaderOptions& lo) const {
+  std::string md = "| setting | value |\n|---|---|\n";
+  auto row = [&](const std::string& k, const std::string& v) {
+    md += "| " + k + " | " + v + " |\n";
+  };
+  using detail::num;
+  row("run", options_.run_name());
+  row("mode", Parallel::name);
+  row("world_size", std::to_string(lr_world_size()));
+  row("bn", BN::name);
+  row("lr_scaling", LRScaling::name);
+  row("evaluation", Reduction::name);
+  row("epochs", std::to_string(options_.epochs()));
+  row("lr", num(options_.lr()));
+  row("batch_size_per_rank", std::to_string(lo.batch_size()));
+  row("accumulate", std::to_string(options_.accumulate()));
+  row("clip_grad_norm", num(options_.clip().max_norm()));
+  row("clip_grad_value", num(options_.clip().max_value()));
+  row("seed", std::to_string(options_.seed()));
+  row("max_steps", std::to_string(options_.max_steps()));
+  row("mixed_precision", options_.mixed_precision() ? "true" : "false");
+  if constexpr (requires { engine_.comm_name(); }) {
+    row("comm", engine_.comm_name());
+  }
+  row("torch", ddpkit::compat::torch_version());
+  return md;
 }
 
 DDPKIT_TRAINER_TEMPLATE
@@ -292,6 +328,13 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
   int best_epoch = 0, bad_epochs = 0;
   int start = try_resume(result.history, best, best_epoch, bad_epochs);
   Progress progress(is_main() && options_.verbose());
+  std::optional<TensorBoardWriter> tb;
+  if (is_main() && options_.tensorboard()) {
+    tb.emplace(out / "tb");
+    tb->add_text("hparams", hparams_markdown(lo), start);
+    tb->flush();
+  }
+  const auto log_every = options_.log_every_n_steps();
   torch::nn::Module& module = parallel::as_module(engine_.module());
   const int epochs = options_.epochs();
   data::Loader loader(train, train_transform, lo);
@@ -411,6 +454,10 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         double secs = std::chrono::duration<double>(clock::now() - t0).count();
         progress.step(step, loss_sum / count,
                       secs > 0 ? count * world / secs : 0);
+        ++global_step_;
+        if (tb && log_every > 0 && global_step_ % log_every == 0) {
+          tb->add_scalar("train/loss_step", loss, global_step_);
+        }
         if constexpr (requires { hooks.on_step_end(StepInfo{}); }) {
           hooks.on_step_end(StepInfo{epoch, step, loss});
         }
@@ -490,6 +537,23 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         nn::save_state_dict(module, path);
       }
       write_metrics_files(out, result.history);
+      if (tb) {
+        // After the checkpoint: a run killed in between lacks this epoch
+        // here rather than logging it twice once resumed.
+        const std::pair<const char*, double> scalars[] = {
+            {"train/loss", m.train_loss},
+            {"train/acc", m.train_acc},
+            {"val/loss", m.val_loss},
+            {"val/acc", m.val_acc},
+            {"lr", m.lr},
+            {"train/images_per_second", m.train_images_per_second},
+            {"time/train_seconds", m.train_seconds},
+            {"time/val_seconds", m.val_seconds}};
+        for (const auto& [tag, value] : scalars) {
+          tb->add_scalar(tag, value, m.epoch);
+        }
+        tb->flush();
+      }
     }
     if constexpr (requires { hooks.on_epoch_end(m); }) hooks.on_epoch_end(m);
     if (options_.patience() > 0 && bad_epochs >= options_.patience()) {

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# TensorBoard files as TensorBoard reads them.
+#   tensorboard_check.sh check OUT
+#     OUT/tb opens in TensorBoard's EventAccumulator; every record's CRCs
+#     pass TensorBoard's own record reader; the recipe's per-epoch tags
+#     (train/loss, train/acc, val/loss, val/acc, lr) and the throughput
+#     tags hold exactly OUT/metrics.jsonl's values (float32), one event per
+#     epoch; train/loss_step has no step twice; the settings are there as
+#     text.
+#   tensorboard_check.sh kill-resume BINARY OUT ARGS...
+#     Runs BINARY --out OUT ARGS, SIGKILLs it half a second into its third
+#     epoch (ARGS should make an epoch last a few seconds), runs it again
+#     with --resume auto, then does `check OUT`.
+set -euo pipefail
+source "$(dirname "$0")/torch_python.sh"
+if ! "$py" -c "import tensorboard" 2>/dev/null; then
+  if [[ ${CI:-} == true ]]; then
+    echo "FAILED: $py has no tensorboard (run scripts/install-deps.sh); CI=true, so this is not skipped"
+    exit 1
+  fi
+  echo "SKIPPED: $py has no tensorboard (run scripts/install-deps.sh)"
+  exit 77
+fi
+mode=$1
+shift
+if [[ $mode == kill-resume ]]; then
+  bin=$1 out=$2
+  shift 2
+  rm -rf "$out"
+  setsid "$bin" --out "$out" "$@" &
+  pid=$!
+  for _ in $(seq 1 1200); do
+    [[ -f $out/metrics.jsonl ]] && (( $(wc -l < "$out/metrics.jsonl") >= 2 )) && break
+    sleep 0.05
+  done
+  sleep 0.5  # into the third epoch (about 2 s here)
+  (( $(wc -l < "$out/metrics.jsonl") == 2 )) || { echo "the first run was not in its third epoch at the kill, as planned"; exit 1; }
+  kill -KILL -- -"$pid"
+  wait "$pid" 2>/dev/null || true
+  echo "killed after $(wc -l < "$out/metrics.jsonl") epochs; resuming"
+  "$bin" --out "$out" "$@" --resume auto
+  set -- "$out"
+fi
+"$py" - "$1" <<'PY'
+import glob, json, math, os, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.tensorflow_stub import errors
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+from tensorboard.util import tensor_util
+
+out = sys.argv[1]
+files = sorted(glob.glob(os.path.join(out, "tb", "events.out.tfevents.*")))
+if not files:
+    sys.exit(f"no event files in {out}/tb")
+records = 0
+for f in files:
+    reader = PyRecordReader_New(f)
+    while True:
+        try:
+            reader.GetNext()  # raises DataLossError on a bad CRC
+        except errors.OutOfRangeError:
+            break
+        records += 1
+print(f"{len(files)} event file(s), {records} records, every CRC valid")
+
+acc = EventAccumulator(os.path.join(out, "tb"), size_guidance={"scalars": 0, "tensors": 0})
+acc.Reload()
+rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+tags = {"train/loss": "train_loss", "train/acc": "train_acc", "val/loss": "val_loss",
+        "val/acc": "val_acc", "lr": "lr", "train/images_per_second": "train_images_per_second",
+        "time/train_seconds": "train_seconds", "time/val_seconds": "val_seconds"}
+have = set(acc.Tags()["scalars"])
+missing = [t for t in tags if t not in have]
+if missing:
+    sys.exit(f"missing tags {missing}; have {sorted(have)}")
+bad = 0
+for tag, key in tags.items():
+    events = acc.Scalars(tag)
+    steps = [e.step for e in events]
+    if steps != [r["epoch"] for r in rows]:
+        print(f"{tag}: steps {steps}, metrics.jsonl epochs {[r['epoch'] for r in rows]}")
+        bad += 1
+        continue
+    for e, r in zip(events, rows):
+        want = r[key]
+        if not math.isclose(e.value, want, rel_tol=1e-6, abs_tol=1e-30):
+            print(f"{tag} epoch {e.step}: TensorBoard {e.value!r}, metrics.jsonl {want!r}")
+            bad += 1
+print(f"{len(tags)} tags x {len(rows)} epochs compared with metrics.jsonl")
+if "train/loss_step" in have:
+    steps = [e.step for e in acc.Scalars("train/loss_step")]
+    if len(set(steps)) != len(steps) or steps != sorted(steps):
+        print(f"train/loss_step steps repeat or go back: {steps}")
+        bad += 1
+    else:
+        print(f"train/loss_step: {len(steps)} events, steps {steps[0]}..{steps[-1]}, none twice")
+else:
+    print("no train/loss_step events (fewer batches than --log-every-n-steps?)")
+texts = acc.Tags()["tensors"]
+if "hparams" not in texts:
+    print(f"no hparams text; tensor tags {texts}")
+    bad += 1
+else:
+    text = tensor_util.make_ndarray(acc.Tensors("hparams")[0].tensor_proto).item().decode()
+    if "| lr |" not in text:
+        print(f"hparams text lacks the lr row: {text!r}")
+        bad += 1
+sys.exit(1 if bad else 0)
+PY
