@@ -22,6 +22,8 @@ cd "$(dirname "$0")/.."
 pkgs=(cmake ninja-build g++ pkg-config libtorch-dev libgloo-dev librange-v3-dev
       doctest-dev libbenchmark-dev libturbojpeg0-dev libjpeg62-turbo-dev
       libpng-dev libcli11-dev python3-venv
+      # `script`: the progress-bar test runs an example under a pseudo-terminal.
+      bsdutils
       # libFuzzer targets (scripts/fuzz.sh): clang and its sanitizer runtimes.
       clang-14 libclang-rt-14-dev)
 missing=()

@@ -119,6 +119,10 @@ int main(int argc, char** argv) {
                         .accumulate(args.accumulate)
                         .tensorboard(args.tensorboard)
                         .log_every_n_steps(args.log_every_n_steps)
+                        .keep_best(args.keep_best)
+                        .best_metric(args.best_metric == "val_loss"
+                                         ? ddpkit::train::BestMetric::val_loss
+                                         : ddpkit::train::BestMetric::val_acc)
                         .clip(ddpkit::train::ClipOptions()
                                   .max_norm(args.clip_grad_norm)
                                   .max_value(args.clip_grad_value));

@@ -35,6 +35,8 @@ struct CommonArgs {
   double clip_grad_value = 0;     ///< clip each element (0: off)
   bool tensorboard = true;        ///< rank 0 writes OUT/tb event files
   int log_every_n_steps = 50;     ///< train/loss_step every N batches
+  int keep_best = 1;              ///< best checkpoints kept
+  std::string best_metric = "val_acc";  ///< val_acc or val_loss
 };
 
 /// Adds the common flags to `app`, with `args`' current values as defaults.
@@ -90,6 +92,15 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str()
       ->excludes(by_norm);
+  app.add_option("--keep-best", args.keep_best,
+                 "keep the K best epochs' checkpoints (best-epoch-E.pt; "
+                 "best.pt is the best)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--best-metric", args.best_metric,
+                 "what ranks checkpoints for --keep-best")
+      ->check(CLI::IsMember({"val_acc", "val_loss"}))
+      ->capture_default_str();
   app.add_flag("--tensorboard,!--no-tensorboard", args.tensorboard,
                "write TensorBoard event files to OUT/tb (rank 0; on by "
                "default)");

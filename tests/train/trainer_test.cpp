@@ -3,6 +3,7 @@
 // real processes over gloo.
 #include <cstdio>
 #include <fstream>
+#include <set>
 
 #include "../support.hpp"
 #include "ddpkit/ddpkit.hpp"
@@ -398,6 +399,86 @@ TEST_SUITE("train") {
       CHECK(torch::equal(kv.value().toTensor(), mb.at(kv.key()).toTensor()));
     }
     CHECK(count_of(read_file(b / "metrics.jsonl"), "\"epoch\":") == 4);
+  }
+
+  TEST_CASE(
+      "keep_best: the k best epochs by the chosen metric, best.pt the first, "
+      "the same set after a resume") {
+    auto d = make_data(64, 20);
+    auto run = [&](const fs::path& out, int epochs, const std::string& resume,
+                   int k, train::BestMetric metric) {
+      torch::manual_seed(3);
+      SingleDeviceTrainer<TinyNet> trainer(TinyNet(), adam(),
+                                           base_options(out, epochs)
+                                               .resume(resume)
+                                               .verbose(false)
+                                               .tensorboard(false)
+                                               .keep_best(k)
+                                               .best_metric(metric));
+      return trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
+                         data::LoaderOptions(16).workers(0));
+    };
+    auto kept = [](const fs::path& out) {
+      std::set<std::string> names;
+      for (auto& e : fs::directory_iterator(out / "checkpoints")) {
+        names.insert(e.path().filename().string());
+      }
+      return names;
+    };
+    auto epochs_done = [](const fs::path& f) {
+      c10::IValue v;
+      train::open_checkpoint(f).read("epochs_done", v);
+      return v.toInt();
+    };
+    TempDir a;
+    auto r = run(a.path(), 6, "", 3, train::BestMetric::val_loss);
+    std::vector<std::pair<double, int>> by_loss;
+    std::string losses;
+    for (const auto& m : r.history) {
+      by_loss.emplace_back(m.val_loss, m.epoch);
+      losses += " " + std::to_string(m.val_loss);
+    }
+    std::stable_sort(by_loss.begin(), by_loss.end(),
+                     [](auto& x, auto& y) { return x.first < y.first; });
+    MESSAGE("val_loss by epoch:", losses);
+    std::set<std::string> want = {"last.pt", "best.pt"};
+    for (int i = 0; i < 3; ++i) {
+      want.insert("best-epoch-" + std::to_string(by_loss[i].second) + ".pt");
+    }
+    const auto files = kept(a.path());
+    CHECK(files == want);
+    for (int i = 0; i < 3; ++i) {
+      const int e = by_loss[i].second;
+      CHECK(epochs_done(a / "checkpoints" /
+                        ("best-epoch-" + std::to_string(e) + ".pt")) == e);
+    }
+    const auto first =
+        a / "checkpoints" /
+        ("best-epoch-" + std::to_string(by_loss[0].second) + ".pt");
+    CHECK(fs::equivalent(a / "checkpoints" / "best.pt", first));
+    CHECK(epochs_done(a / "checkpoints" / "best.pt") == by_loss[0].second);
+
+    // Interrupted after 3 epochs and resumed: the same files, same bytes.
+    TempDir b;
+    run(b.path(), 3, "", 3, train::BestMetric::val_loss);
+    run(b.path(), 6, "auto", 3, train::BestMetric::val_loss);
+    CHECK(kept(b.path()) == want);
+    for (const auto& name : want) {
+      if (name == "last.pt") continue;
+      CAPTURE(name);
+      auto ma = model_of(a / "checkpoints" / name),
+           mb = model_of(b / "checkpoints" / name);
+      for (auto& kv : ma) {
+        CHECK(torch::equal(kv.value().toTensor(), mb.at(kv.key()).toTensor()));
+      }
+    }
+
+    // The default (1, val_acc): best.pt alone, from the first epoch with the
+    // highest val_acc.
+    TempDir c;
+    auto rc = run(c.path(), 4, "", 1, train::BestMetric::val_acc);
+    CHECK(kept(c.path()) == std::set<std::string>{"last.pt", "best.pt"});
+    CHECK(epochs_done(c / "checkpoints" / "best.pt") == rc.best_epoch);
   }
 
   TEST_CASE(

@@ -43,6 +43,12 @@ enum class UnevenInputs {
   join,
 };
 
+/// The validation number that ranks checkpoints for `keep_best`.
+enum class BestMetric {
+  val_acc,   ///< higher is better (default; early stopping always uses it)
+  val_loss,  ///< lower is better
+};
+
 struct TrainerOptions {
   TORCH_ARG(int, epochs) = 30;
   /// Base learning rate, before the LR-scaling policy and the schedule.
@@ -62,6 +68,13 @@ struct TrainerOptions {
   TORCH_ARG(std::uint64_t, seed) = 42;
   /// Write checkpoints/last.pt every epoch and best.pt on improvement.
   TORCH_ARG(bool, checkpoints) = true;
+  /// Keep the best this many epochs' checkpoints by `best_metric`:
+  /// checkpoints/best.pt is always the best one; with k > 1 the k best are
+  /// also kept as checkpoints/best-epoch-<E>.pt (best.pt a hard link to the
+  /// first), files that drop out of the k best removed. Ties go to the
+  /// earlier epoch. 0: no best checkpoints.
+  TORCH_ARG(int, keep_best) = 1;
+  TORCH_ARG(BestMetric, best_metric) = BestMetric::val_acc;
   /// Also write the model's state dict (Python-loadable) each epoch to this
   /// pattern under OUT, `{epoch}` replaced (flowers:
   /// "weights/model-{epoch}.pt").
@@ -237,6 +250,9 @@ class Trainer {
   int try_resume(std::vector<EpochMetrics>& history, double& best,
                  int& best_epoch, int& bad_epochs);
   std::string hparams_markdown(const data::LoaderOptions& lo) const;
+  void keep_best_checkpoints(const std::filesystem::path& dir,
+                             const std::vector<EpochMetrics>& history,
+                             double best, int best_epoch, int bad_epochs);
   template <class Dataset, class EvalTransform>
   torch::Tensor eval_sums(const Dataset& set, EvalTransform& tf,
                           const data::LoaderOptions& lo,

@@ -1,8 +1,11 @@
 // Bodies of Trainer's members (see trainer.hpp for what they do).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <limits>
 
 #include "ddpkit/data/loader.hpp"
 
@@ -39,6 +42,10 @@ DDPKIT_TRAINER::Trainer(Model model, OptimizerFactory make_optimizer,
   }
   if (options_.max_steps() < 0) {
     throw UsageError(cat("max_steps ", options_.max_steps(), " must be >= 0"));
+  }
+  if (options_.keep_best() < 0) {
+    throw UsageError(cat("keep_best ", options_.keep_best(),
+                         " must be >= 0 (0: no best checkpoints)"));
   }
   if (options_.log_every_n_steps() < 0) {
     throw UsageError(cat("log_every_n_steps ", options_.log_every_n_steps(),
@@ -206,6 +213,74 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
   return done;
 }
 
+/// The epochs (1-based) of the `k` best rows of `history` by `metric`,
+/// best first; ties go to the earlier epoch, NaN ranks last.
+inline std::vector<int> best_epochs(const std::vector<EpochMetrics>& history,
+                                    BestMetric metric, int k) {
+  auto score = [&](const EpochMetrics& m) {
+    const double v = metric == BestMetric::val_acc ? m.val_acc : -m.val_loss;
+    return std::isnan(v) ? -std::numeric_limits<double>::infinity() : v;
+  };
+  std::vector<const EpochMetrics*> rows;
+  for (const auto& m : history) rows.push_back(&m);
+  std::stable_sort(rows.begin(), rows.end(), [&](auto* a, auto* b) {
+    return score(*a) > score(*b);
+  });
+  std::vector<int> epochs;
+  for (int i = 0; i < k && i < static_cast<int>(rows.size()); ++i) {
+    epochs.push_back(rows[i]->epoch);
+  }
+  return epochs;
+}
+
+DDPKIT_TRAINER_TEMPLATE
+void DDPKIT_TRAINER::keep_best_checkpoints(
+    const std::filesystem::path& dir, const std::vector<EpochMetrics>& history,
+    double best, int best_epoch, int bad_epochs) {
+  namespace fs = std::filesystem;
+  const int k = options_.keep_best();
+  if (k == 0 || history.empty()) return;
+  // Ranked from the history alone, so a resumed run keeps the same set.
+  const auto top = best_epochs(history, options_.best_metric(), k);
+  const int epoch = history.back().epoch;
+  const int epochs_done = static_cast<int>(history.size());
+  auto epoch_file = [&](int e) {
+    return dir / ("best-epoch-" + std::to_string(e) + ".pt");
+  };
+  if (std::find(top.begin(), top.end(), epoch) != top.end()) {
+    if (k == 1) {
+      save_checkpoint(dir / "best.pt", epochs_done, history, best, best_epoch,
+                      bad_epochs);
+    } else {
+      save_checkpoint(epoch_file(epoch), epochs_done, history, best,
+                      best_epoch, bad_epochs);
+      if (top.front() == epoch) {
+        // best.pt names the same file: a hard link made beside it and
+        // renamed over it, so best.pt is always whole.
+        const fs::path tmp = dir / "best.pt.link.tmp";
+        std::error_code ec;
+        fs::remove(tmp, ec);
+        fs::create_hard_link(epoch_file(epoch), tmp);
+        fs::rename(tmp, dir / "best.pt");
+      }
+    }
+  }
+  // Files of epochs no longer among the best (only after the new one is in
+  // place: a crash in between leaves one file too many, removed next time).
+  // With k = 1 there are none to remove (an earlier run's are left alone).
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    int e = 0;
+    char tail = 0;
+    if (std::sscanf(name.c_str(), "best-epoch-%d.p%c", &e, &tail) == 2 &&
+        name == epoch_file(e).filename().string() &&
+        k > 1 && std::find(top.begin(), top.end(), e) == top.end()) {
+      fs::remove(entry.path(), ec);
+    }
+  }
+}
+
 DDPKIT_TRAINER_TEMPLATE
 std::string DDPKIT_TRAINER::hparams_markdown(
     const data::LoaderOptions& lo) const {
@@ -273,6 +348,14 @@ void DDPKIT_TRAINER::write_summary(const FitResult& r,
            train_seconds > 0 ? images / train_seconds : 0.0)
       .add("epoch_images_per_second", seconds > 0 ? images / seconds : 0.0);
   if (options_.accumulate() > 1) j.add("accumulate", options_.accumulate());
+  if (options_.keep_best() != 1 ||
+      options_.best_metric() != BestMetric::val_acc) {
+    j.add("keep_best", options_.keep_best())
+        .add("best_metric", std::string(options_.best_metric() ==
+                                                BestMetric::val_acc
+                                            ? "val_acc"
+                                            : "val_loss"));
+  }
   if (options_.clip().max_norm() > 0) {
     j.add("clip_grad_norm", options_.clip().max_norm())
         .add("clip_norm_type", options_.clip().norm_type());
@@ -523,10 +606,8 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
       if (options_.checkpoints()) {
         save_checkpoint(out / "checkpoints" / "last.pt", epoch + 1,
                         result.history, best, best_epoch, bad_epochs);
-        if (improved) {
-          save_checkpoint(out / "checkpoints" / "best.pt", epoch + 1,
-                          result.history, best, best_epoch, bad_epochs);
-        }
+        keep_best_checkpoints(out / "checkpoints", result.history, best,
+                              best_epoch, bad_epochs);
       }
       if (!options_.weights_pattern().empty()) {
         std::string rel = options_.weights_pattern();
