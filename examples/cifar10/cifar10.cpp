@@ -101,31 +101,13 @@ int main(int argc, char** argv) {
         // Initial weights from the seed; DDP then broadcasts rank 0's to all.
         torch::manual_seed(args.seed);
         ddpkit::nn::CifarNet model(ddpkit::nn::CifarNetOptions(10));
-        auto opts = ddpkit::TrainerOptions()
-                        .epochs(args.epochs)
-                        .lr(args.lr)
+        auto opts = ddpkit::cli::trainer_options(args)
                         .schedule(ddpkit::train::ScheduleOptions()
                                       .kind(ddpkit::train::Schedule::step)
                                       .step_size(kStepSize)
                                       .gamma(kGamma))
                         .patience(kPatience)
-                        .out_dir(args.out)
-                        .resume(args.resume)
-                        .max_steps(args.max_steps)
-                        .seed(args.seed)
-                        .verbose(!args.quiet)
-                        .run_name("cifar10")
-                        .mixed_precision(args.amp)
-                        .accumulate(args.accumulate)
-                        .tensorboard(args.tensorboard)
-                        .log_every_n_steps(args.log_every_n_steps)
-                        .keep_best(args.keep_best)
-                        .best_metric(args.best_metric == "val_loss"
-                                         ? ddpkit::train::BestMetric::val_loss
-                                         : ddpkit::train::BestMetric::val_acc)
-                        .clip(ddpkit::train::ClipOptions()
-                                  .max_norm(args.clip_grad_norm)
-                                  .max_value(args.clip_grad_value));
+                        .run_name("cifar10");
         auto parallel = ddpkit::parallel_options<Mode>(args.devices);
         [&](auto& p) {  // generic: only the ddp build's options have comm()
           if constexpr (requires { p.comm(); }) {

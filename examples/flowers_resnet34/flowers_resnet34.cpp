@@ -159,29 +159,11 @@ int main(int argc, char** argv) {
               p.value().set_requires_grad(false);
           }
         }
-        auto opts = ddpkit::TrainerOptions()
-                        .epochs(args.epochs)
-                        .lr(args.lr)
+        auto opts = ddpkit::cli::trainer_options(args)
                         .schedule(ddpkit::train::ScheduleOptions()
                                       .kind(ddpkit::train::Schedule::cosine)
                                       .lrf(kLrf))
-                        .out_dir(args.out)
-                        .resume(args.resume)
-                        .max_steps(args.max_steps)
-                        .seed(args.seed)
-                        .verbose(!args.quiet)
                         .weights_pattern("weights/model-{epoch}.pt")
-                        .mixed_precision(args.amp)
-                        .accumulate(args.accumulate)
-                        .tensorboard(args.tensorboard)
-                        .log_every_n_steps(args.log_every_n_steps)
-                        .keep_best(args.keep_best)
-                        .best_metric(args.best_metric == "val_loss"
-                                         ? ddpkit::train::BestMetric::val_loss
-                                         : ddpkit::train::BestMetric::val_acc)
-                        .clip(ddpkit::train::ClipOptions()
-                                  .max_norm(args.clip_grad_norm)
-                                  .max_value(args.clip_grad_value))
                         .run_name("flowers-resnet34");
         auto make_optimizer = [](std::vector<torch::Tensor> params) {
           std::vector<torch::Tensor> trainable;

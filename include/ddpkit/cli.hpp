@@ -12,6 +12,8 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/train/trainer.hpp"
+
 namespace ddpkit::cli {
 
 /// Flags every example understands (see each example's README).
@@ -25,6 +27,7 @@ struct CommonArgs {
   int devices = 2;     ///< DataParallel replicas
   std::uint64_t seed = 42;
   std::string resume;          ///< PATH or auto
+  bool resume_allow_changes = false;  ///< resume with another world/seed
   std::int64_t max_steps = 0;  ///< cap on steps per epoch
   int threads = 1;             ///< intra-op threads per rank
   int workers = 2;             ///< loader threads
@@ -36,6 +39,7 @@ struct CommonArgs {
   bool tensorboard = true;        ///< rank 0 writes OUT/tb event files
   int log_every_n_steps = 50;     ///< train/loss_step every N batches
   int keep_best = 1;              ///< best checkpoints kept
+  std::int64_t checkpoint_every = 0;  ///< mid-epoch checkpoints (batches)
   std::string best_metric = "val_acc";  ///< val_acc or val_loss
 };
 
@@ -65,6 +69,9 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.add_option("--seed", args.seed, "seed")->capture_default_str();
   app.add_option("--resume", args.resume,
                  "checkpoint PATH, or auto (OUT/checkpoints/last.pt)");
+  app.add_flag("--resume-allow-changes", args.resume_allow_changes,
+               "resume even if the checkpoint was written with another world "
+               "size or seed (refused otherwise)");
   app.add_option("--max-steps", args.max_steps,
                  "cap on steps per epoch (0: none)")
       ->check(CLI::NonNegativeNumber)
@@ -92,6 +99,11 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str()
       ->excludes(by_norm);
+  app.add_option("--checkpoint-every", args.checkpoint_every,
+                 "also write checkpoints/last.pt every N batches within "
+                 "epochs; --resume auto continues there (0: epoch ends only)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--keep-best", args.keep_best,
                  "keep the K best epochs' checkpoints (best-epoch-E.pt; "
                  "best.pt is the best)")
@@ -111,6 +123,32 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.add_flag("--amp,!--no-amp", args.amp,
                "mixed precision: float16 autocast and dynamic loss scaling "
                "(CUDA only)");
+}
+
+/// The Trainer options the common flags set (epochs, lr, output, resume,
+/// steps, seed, output level, AMP, accumulation, clipping, TensorBoard,
+/// best checkpoints); the example adds its own (schedule, patience, name).
+inline train::TrainerOptions trainer_options(const CommonArgs& args) {
+  return train::TrainerOptions()
+      .epochs(args.epochs)
+      .lr(args.lr)
+      .out_dir(args.out)
+      .resume(args.resume)
+      .resume_allow_changes(args.resume_allow_changes)
+      .max_steps(args.max_steps)
+      .seed(args.seed)
+      .verbose(!args.quiet)
+      .mixed_precision(args.amp)
+      .accumulate(args.accumulate)
+      .clip(train::ClipOptions()
+                .max_norm(args.clip_grad_norm)
+                .max_value(args.clip_grad_value))
+      .tensorboard(args.tensorboard)
+      .log_every_n_steps(args.log_every_n_steps)
+      .keep_best(args.keep_best)
+      .checkpoint_every_n_steps(args.checkpoint_every)
+      .best_metric(args.best_metric == "val_loss" ? train::BestMetric::val_loss
+                                                  : train::BestMetric::val_acc);
 }
 
 /// Parses; on a bad value prints the reason and returns 2, on --help

@@ -241,6 +241,76 @@ DDPKIT_WORKER(trainer_accumulate) {
   return 0;
 }
 
+/// DDP at world 2 where each rank has its own output folder, as ranks on
+/// two hosts without a shared filesystem do: only rank 0's holds
+/// checkpoints. T_EPOCHS, T_RESUME, T_SEED, T_ALLOW; a UsageError is
+/// written to error<rank> and exits 7.
+DDPKIT_WORKER(trainer_resume_local) {
+  auto g = test::worker_group();
+  const auto tag = std::string(std::getenv("T_TAG"));
+  std::freopen((test::worker_dir() / ("stdout-" + tag + std::to_string(g.rank())))
+                   .c_str(),
+               "w", stdout);
+  torch::manual_seed(g.rank());
+  auto d = make_data(64, 20);
+  try {
+    DDPTrainer<TinyNet, SyncBN> trainer(
+        TinyNet(), adam(),
+        base_options(test::worker_dir() / ("out" + std::to_string(g.rank())),
+                     std::atoi(std::getenv("T_EPOCHS")))
+            .resume(std::getenv("T_RESUME"))
+            .seed(std::stoull(std::getenv("T_SEED")))
+            .resume_allow_changes(std::string(std::getenv("T_ALLOW")) == "1")
+            .tensorboard(false),
+        g);
+    trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
+                data::LoaderOptions(16).workers(0));
+  } catch (const UsageError& e) {
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank())))
+        << e.what();
+    return 7;
+  }
+  return 0;
+}
+
+/// DDP at world 2, TinyNet (dropout, SyncBN), 4 batches per rank and
+/// epoch, a mid-epoch checkpoint every 3 batches. T_STOP_AT: the run
+/// fails (a hook throws) after that many batches in all; T_RESUME.
+DDPKIT_WORKER(trainer_mid_epoch) {
+  auto g = test::worker_group();
+  std::freopen((test::worker_dir() /
+                ("stdout-" + std::string(std::getenv("T_TAG")) +
+                 std::to_string(g.rank())))
+                   .c_str(),
+               "w", stdout);
+  torch::manual_seed(g.rank());
+  auto d = make_data(64, 20);
+  const int stop_at = std::atoi(std::getenv("T_STOP_AT"));
+  struct StopAt {
+    int at;
+    void on_step_end(const train::StepInfo& s) {
+      if (at > 0 && s.epoch * 4 + static_cast<int>(s.step) == at) {
+        throw std::runtime_error("stopped as planned");
+      }
+    }
+  } hooks{stop_at};
+  DDPTrainer<TinyNet, SyncBN> trainer(
+      TinyNet(), adam(),
+      base_options(test::worker_dir() / "out", 3)
+          .resume(std::getenv("T_RESUME"))
+          .checkpoint_every_n_steps(3)
+          .tensorboard(false),
+      g);
+  try {
+    trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
+                data::LoaderOptions(8).workers(1), hooks);
+  } catch (const std::runtime_error& e) {
+    if (std::string(e.what()) != "stopped as planned") throw;
+    return 3;
+  }
+  return 0;
+}
+
 TEST_SUITE("train") {
   TEST_CASE(
       "DDP at world 2: lr scaled by the policy, identical metrics on every "
@@ -399,6 +469,117 @@ TEST_SUITE("train") {
       CHECK(torch::equal(kv.value().toTensor(), mb.at(kv.key()).toTensor()));
     }
     CHECK(count_of(read_file(b / "metrics.jsonl"), "\"epoch\":") == 4);
+  }
+
+  TEST_CASE(
+      "resume without a shared filesystem: rank 0's checkpoint alone resumes "
+      "every rank, bit for bit; another seed is refused and the checkpoint "
+      "kept, unless allowed") {
+    auto run = [](const TempDir& dir, const std::string& tag, int epochs,
+                  const std::string& resume, int seed, bool allow) {
+      return run_workers("trainer_resume_local", 2, dir.str(),
+                         {{"T_TAG", tag},
+                          {"T_EPOCHS", std::to_string(epochs)},
+                          {"T_RESUME", resume},
+                          {"T_SEED", std::to_string(seed)},
+                          {"T_ALLOW", allow ? "1" : "0"}});
+    };
+    TempDir a, b;
+    REQUIRE(run(a, "full", 4, "", 7, false).ok());
+    REQUIRE(run(b, "first", 2, "", 7, false).ok());
+    CHECK(!fs::exists(b / "out1" / "checkpoints"));  // rank 1 writes none
+    REQUIRE(run(b, "resumed", 4, "auto", 7, false).ok());
+    const auto log0 = read_file(b / "stdout-resumed0");
+    CAPTURE(log0);
+    CHECK(log0.find("resumed from " + (b / "out0/checkpoints/last.pt").string() +
+                    " after epoch 2") != std::string::npos);
+    auto ma = model_of(a / "out0/checkpoints/last.pt"),
+         mb = model_of(b / "out0/checkpoints/last.pt");
+    REQUIRE(ma.size() == mb.size());
+    for (auto& kv : ma) {
+      CAPTURE(kv.key().toStringRef());
+      CHECK(torch::equal(kv.value().toTensor(), mb.at(kv.key()).toTensor()));
+    }
+    CHECK(count_of(read_file(b / "out0" / "metrics.jsonl"), "\"epoch\":") == 4);
+
+    // Another seed: refused on every rank, before anything is written.
+    const auto last = b / "out0/checkpoints/last.pt";
+    const auto before = read_file(last);
+    auto res = run(b, "seed", 6, "auto", 8, false);
+    CHECK(res.exit_code == 7);
+    for (int r = 0; r < 2; ++r) {
+      const auto msg = read_file(b / ("error" + std::to_string(r)));
+      CAPTURE(msg);
+      CHECK(msg.find("was written by a run with other settings: seed 7 -> 8") !=
+            std::string::npos);
+      CHECK(msg.find("--resume-allow-changes") != std::string::npos);
+    }
+    CHECK(read_file(last) == before);
+    // Allowed: resumes, saying what changes.
+    REQUIRE(run(b, "allowed", 5, "auto", 8, true).ok());
+    CHECK(read_file(b / "stdout-allowed0")
+              .find("with changed settings: seed 7 -> 8") != std::string::npos);
+    CHECK(count_of(read_file(b / "out0" / "metrics.jsonl"), "\"epoch\":") == 5);
+  }
+
+  TEST_CASE(
+      "mid-epoch checkpoints: DDP at world 2 stopped after batch 7 resumes at "
+      "batch 7 of epoch 2 and ends with an uninterrupted run's weights, bit "
+      "for bit") {
+    auto run = [](const TempDir& dir, const std::string& tag, int stop_at,
+                  const std::string& resume) {
+      return run_workers("trainer_mid_epoch", 2, dir.str(),
+                         {{"T_TAG", tag},
+                          {"T_STOP_AT", std::to_string(stop_at)},
+                          {"T_RESUME", resume}});
+    };
+    TempDir a, b;
+    REQUIRE(run(a, "full", 0, "").ok());
+    // Checkpoints after batches 3 (epoch 1), 4 (its end) and 6 (epoch 2,
+    // batch 2); the failure comes after batch 7.
+    auto res = run(b, "stopped", 7, "");
+    CHECK(res.exit_code == 3);
+    {
+      auto archive = train::open_checkpoint(b / "out/checkpoints/last.pt");
+      c10::IValue done, epochs;
+      archive.read("epoch_batches_done", done);
+      archive.read("epochs_done", epochs);
+      CHECK(done.toInt() == 2);
+      CHECK(epochs.toInt() == 1);
+    }
+    REQUIRE(run(b, "resumed", 0, "auto").ok());
+    CHECK(read_file(b / "stdout-resumed0").find("continuing epoch 2 at batch 3") !=
+          std::string::npos);
+    auto ma = model_of(a / "out/checkpoints/last.pt"),
+         mb = model_of(b / "out/checkpoints/last.pt");
+    REQUIRE(ma.size() == mb.size());
+    for (auto& kv : ma) {
+      CAPTURE(kv.key().toStringRef());
+      CHECK(torch::equal(kv.value().toTensor(), mb.at(kv.key()).toTensor()));
+    }
+    // The resumed epoch's training metrics count every batch once.
+    auto rows = [](const fs::path& f) {
+      std::vector<std::string> r;
+      std::istringstream in(read_file(f));
+      for (std::string line; std::getline(in, line);) {
+        r.push_back(line.substr(0, line.find(",\"lr\"")));
+      }
+      return r;
+    };
+    const auto ra = rows(a / "out/metrics.jsonl"),
+               rb = rows(b / "out/metrics.jsonl");
+    REQUIRE(ra.size() == 3);
+    REQUIRE(rb.size() == 3);
+    for (int i = 0; i < 3; ++i) {
+      CAPTURE(ra[i]);
+      CAPTURE(rb[i]);
+      auto num = [](const std::string& row, const std::string& k) {
+        return std::stod(row.substr(row.find("\"" + k + "\":") + k.size() + 3));
+      };
+      for (const char* k : {"train_loss", "train_acc", "val_loss", "val_acc"}) {
+        CHECK(num(ra[i], k) == doctest::Approx(num(rb[i], k)).epsilon(1e-12));
+      }
+    }
   }
 
   TEST_CASE(

@@ -115,10 +115,14 @@ class Loader {
                                            options.workers(), " must be >= 0"));
   }
 
-  /// Starts an epoch over `indices` (a sampler's `indices()`).
+  /// Starts an epoch over `indices` (a sampler's `indices()`), from batch
+  /// `first_batch` on (a run resumed mid-epoch: the batches it makes are
+  /// those an uninterrupted epoch makes there, augmentation included).
   LoaderEpoch<Dataset, Transform> epoch(std::vector<std::size_t> indices,
-                                        std::size_t epoch) const {
-    return LoaderEpoch<Dataset, Transform>(state_, std::move(indices), epoch);
+                                        std::size_t epoch,
+                                        std::size_t first_batch = 0) const {
+    return LoaderEpoch<Dataset, Transform>(state_, std::move(indices), epoch,
+                                           first_batch);
   }
 
   /// Batches in an epoch of `n` indices.
@@ -178,7 +182,8 @@ class LoaderEpoch {
 
  public:
   LoaderEpoch(std::shared_ptr<const State> state,
-              std::vector<std::size_t> indices, std::size_t epoch)
+              std::vector<std::size_t> indices, std::size_t epoch,
+              std::size_t first_batch = 0)
       : shared_(std::make_unique<Shared>()) {
     auto& s = *shared_;
     s.state = std::move(state);
@@ -188,6 +193,7 @@ class LoaderEpoch {
     s.num_batches = s.state->options.drop_last()
                         ? s.indices.size() / bs
                         : (s.indices.size() + bs - 1) / bs;
+    s.claimed = s.given = std::min(first_batch, s.num_batches);
     for (int w = 0; w < s.state->options.workers(); ++w) {
       threads_.emplace_back([p = shared_.get()] { p->work(); });
 #ifdef __linux__
@@ -210,7 +216,7 @@ class LoaderEpoch {
     for (auto& t : threads_) t.join();
   }
 
-  /// Batches in this epoch.
+  /// Batches in this epoch (those before `first_batch` included).
   std::size_t size() const {
     return shared_->num_batches;
   }

@@ -132,13 +132,24 @@ inline void atomic_save(const Checkpoint& checkpoint,
 /// unpickler (`pickle_reader.hpp`), and every tensor in it is checked
 /// (`loaded_tensors.hpp`): a damaged file is an error, not a crash or an
 /// out-of-bounds read.
+inline Checkpoint parse_checkpoint(const std::string& bytes,
+                                   const std::filesystem::path& path);
+
 inline Checkpoint open_checkpoint(const std::filesystem::path& path) {
   if (!std::filesystem::is_regular_file(path)) {
     throw UsageError(
         ddpkit::detail::cat("checkpoint ", path.string(), " does not exist"));
   }
+  return parse_checkpoint(
+      ddpkit::detail::read_whole_file(path, "checkpoint " + path.string()),
+      path);
+}
+
+/// `open_checkpoint` for a file's bytes read elsewhere (e.g. by rank 0 and
+/// sent over the group); `path` names it in errors.
+inline Checkpoint parse_checkpoint(const std::string& bytes,
+                                   const std::filesystem::path& path) {
   const std::string what = "checkpoint " + path.string();
-  const std::string bytes = ddpkit::detail::read_whole_file(path, what);
   ddpkit::detail::check_archive(std::string_view(bytes), what, "ddpkit");
   const c10::IValue v = ddpkit::detail::read_torch_save(bytes, what);
   if (!v.isGenericDict()) {

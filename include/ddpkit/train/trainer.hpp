@@ -62,6 +62,10 @@ struct TrainerOptions {
   /// "" (fresh), a checkpoint path, or "auto" (OUT/checkpoints/last.pt if
   /// it exists).
   TORCH_ARG(std::string, resume) = "";
+  /// Resuming from a checkpoint written with another world size or seed is
+  /// refused (the sampler's order and each rank's share would change);
+  /// true resumes anyway and says what changes.
+  TORCH_ARG(bool, resume_allow_changes) = false;
   /// Cap on steps per epoch (0: no cap), for smoke runs and benchmarks.
   TORCH_ARG(int64_t, max_steps) = 0;
   /// Seeds sampling, augmentation (with the rank) and dropout.
@@ -74,6 +78,13 @@ struct TrainerOptions {
   /// first), files that drop out of the k best removed. Ties go to the
   /// earlier epoch. 0: no best checkpoints.
   TORCH_ARG(int, keep_best) = 1;
+  /// Also write checkpoints/last.pt within epochs, every this many batches
+  /// (counted over the run; 0: at epoch ends only). It holds the batch, the
+  /// metrics so far and every rank's CPU generator, so `resume("auto")`
+  /// continues at that batch with the weights an uninterrupted run has (CPU:
+  /// bit for bit). Needs the same world size to resume; not with
+  /// `uneven_inputs(join)`.
+  TORCH_ARG(std::int64_t, checkpoint_every_n_steps) = 0;
   TORCH_ARG(BestMetric, best_metric) = BestMetric::val_acc;
   /// Also write the model's state dict (Python-loadable) each epoch to this
   /// pattern under OUT, `{epoch}` replaced (flowers:
@@ -250,6 +261,11 @@ class Trainer {
   int try_resume(std::vector<EpochMetrics>& history, double& best,
                  int& best_epoch, int& bad_epochs);
   std::string hparams_markdown(const data::LoaderOptions& lo) const;
+  std::string broadcast_bytes(const std::string& bytes);
+  void read_mid_epoch(const Checkpoint& archive,
+                      const std::filesystem::path& path);
+  void check_resume_settings(const Checkpoint& archive,
+                             const std::filesystem::path& path);
   void keep_best_checkpoints(const std::filesystem::path& dir,
                              const std::vector<EpochMetrics>& history,
                              double best, int best_epoch, int bad_epochs);
@@ -271,6 +287,14 @@ class Trainer {
   CrossEntropy loss_fn_;
   LossScaler scaler_;
   std::int64_t global_step_ = 0;  ///< batches trained, resumes included
+  std::int64_t last_checkpoint_step_ = 0;
+  /// Where an unfinished epoch stands: saved in mid-epoch checkpoints, and
+  /// read from one until the resumed epoch starts.
+  struct MidEpoch {
+    std::int64_t batches_done = 0;  ///< 0: at an epoch's end
+    torch::Tensor sums;             ///< [loss sum, correct, count], all ranks
+    torch::Tensor rng;              ///< [world, state]: each rank's generator
+  } mid_;
 };
 
 }  // namespace ddpkit::train

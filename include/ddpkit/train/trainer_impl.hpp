@@ -5,7 +5,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
+#include <mutex>
 
 #include "ddpkit/data/loader.hpp"
 
@@ -42,6 +44,18 @@ DDPKIT_TRAINER::Trainer(Model model, OptimizerFactory make_optimizer,
   }
   if (options_.max_steps() < 0) {
     throw UsageError(cat("max_steps ", options_.max_steps(), " must be >= 0"));
+  }
+  if (options_.checkpoint_every_n_steps() < 0) {
+    throw UsageError(cat("checkpoint_every_n_steps ",
+                         options_.checkpoint_every_n_steps(),
+                         " must be >= 0 (0: at epoch ends only)"));
+  }
+  if (options_.checkpoint_every_n_steps() > 0 &&
+      options_.uneven_inputs() == UnevenInputs::join) {
+    throw UsageError(
+        "checkpoint_every_n_steps cannot be combined with "
+        "uneven_inputs(join): ranks with different batch counts cannot agree "
+        "on a step to checkpoint at");
   }
   if (options_.keep_best() < 0) {
     throw UsageError(cat("keep_best ", options_.keep_best(),
@@ -157,10 +171,17 @@ void DDPKIT_TRAINER::save_checkpoint(const std::filesystem::path& path,
   archive.write("best_epoch", static_cast<int64_t>(best_epoch));
   archive.write("bad_epochs", static_cast<int64_t>(bad_epochs));
   archive.write("sampler_epoch", static_cast<int64_t>(epochs_done));
-  archive.write("world_size", static_cast<int64_t>(group_.size()));
+  archive.write("world_size", static_cast<int64_t>(lr_world_size()));
   archive.write("seed", static_cast<int64_t>(options_.seed()));
   archive.write("loss_scale", scaler_.scale());
   archive.write("global_step", global_step_);
+  // Batches done in the unfinished epoch `epochs_done` (0: at an epoch's
+  // end), and what resuming there needs.
+  archive.write("epoch_batches_done", mid_.batches_done);
+  if (mid_.batches_done > 0) {
+    archive.write("epoch_sums", mid_.sums);
+    archive.write("rng_cpu_ranks", mid_.rng);
+  }
   auto hist = torch::zeros(
       {static_cast<int64_t>(history.size()), EpochMetrics::kFields},
       torch::kFloat64);
@@ -176,25 +197,52 @@ DDPKIT_TRAINER_TEMPLATE
 int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
                                int& best_epoch, int& bad_epochs) {
   namespace fs = std::filesystem;
+  using ddpkit::detail::cat;
   const std::string& what = options_.resume();
   if (what.empty()) return 0;
-  fs::path path = what;
-  if (what == "auto") {
-    path = fs::path(options_.out_dir()) / "checkpoints" / "last.pt";
-    // Every rank must agree on whether there is something to resume.
-    int found = fs::is_regular_file(path) ? 1 : 0;
-    if (Parallel::is_multi_process) {
-      found = dist::all_reduce_value(group_, found, dist::Reduce::min);
-    }
-    if (!found) {
-      if (is_main() && options_.verbose()) {
-        std::printf("resume auto: no checkpoint at %s, starting fresh\n",
-                    path.c_str());
+  const fs::path path = what == "auto"
+                            ? fs::path(options_.out_dir()) / "checkpoints" /
+                                  "last.pt"
+                            : fs::path(what);
+  // Rank 0 alone reads the file (only rank 0 writes checkpoints, so on a
+  // second host without a shared filesystem the others have none) and
+  // sends its bytes; every rank parses the same bytes, so every rank
+  // resumes, starts fresh or fails alike. Status: 0 fresh, 1 bytes follow,
+  // 2 rank 0's error message follows.
+  const bool multi = Parallel::is_multi_process && group_.size() > 1;
+  std::int64_t status = 0;
+  std::string bytes;
+  if (is_main()) {
+    try {
+      if (what != "auto" || fs::is_regular_file(path)) {
+        if (!fs::is_regular_file(path)) {
+          throw UsageError(cat("checkpoint ", path.string(),
+                               " does not exist"));
+        }
+        bytes = ddpkit::detail::read_whole_file(path,
+                                                "checkpoint " + path.string());
+        status = 1;
       }
-      return 0;
+    } catch (const std::exception& e) {
+      if (!multi) throw;
+      status = 2;
+      bytes = e.what();
     }
   }
-  auto archive = open_checkpoint(path);
+  if (multi) {
+    status = dist::broadcast_value(group_, status, 0);
+    if (status != 0) bytes = broadcast_bytes(bytes);
+  }
+  if (status == 2) throw UsageError(bytes);
+  if (status == 0) {
+    if (is_main() && options_.verbose()) {
+      std::printf("resume auto: no checkpoint at %s, starting fresh\n",
+                  path.c_str());
+    }
+    return 0;
+  }
+  auto archive = parse_checkpoint(bytes, path);
+  check_resume_settings(archive, path);
   load_module_checked(parallel::as_module(engine_.module()), archive, "model",
                       path);
   load_optimizer_checked(*optimizer_, archive, path);
@@ -206,11 +254,100 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
   scaler_.set_scale(state.loss_scale);
   global_step_ = state.global_step;
   history = state.history;
+  read_mid_epoch(archive, path);
   if (is_main() && options_.verbose()) {
     std::printf("resumed from %s after epoch %d (best val_acc %.4f)\n",
                 path.c_str(), done, best);
   }
   return done;
+}
+
+DDPKIT_TRAINER_TEMPLATE
+void DDPKIT_TRAINER::read_mid_epoch(const Checkpoint& archive,
+                                    const std::filesystem::path& path) {
+  using ddpkit::detail::cat;
+  mid_ = {};
+  c10::IValue v;
+  if (!archive.try_read("epoch_batches_done", v)) return;  // format 2
+  const int done = read_checkpoint_int(archive, "epoch_batches_done", path, 0,
+                                       std::numeric_limits<int>::max());
+  if (done == 0) return;
+  const std::int64_t world = lr_world_size();
+  c10::IValue sums, rng;
+  const bool ok = archive.try_read("epoch_sums", sums) && sums.isTensor() &&
+                  sums.toTensor().numel() == 3 &&
+                  archive.try_read("rng_cpu_ranks", rng) && rng.isTensor() &&
+                  rng.toTensor().dim() == 2 &&
+                  rng.toTensor().scalar_type() == torch::kUInt8;
+  if (!ok) {
+    throw UsageError(cat("checkpoint ", path.string(), " stops after batch ",
+                         done, " of an epoch but lacks 'epoch_sums' or "
+                         "'rng_cpu_ranks' (a damaged file?)"));
+  }
+  if (rng.toTensor().size(0) != world) {
+    throw UsageError(cat(
+        "checkpoint ", path.string(), " was written in the middle of an epoch "
+        "by ", rng.toTensor().size(0), " ranks; it can only be resumed by as "
+        "many (this run has ", world, "), since each rank's share of the epoch "
+        "depends on it. Resume from an epoch's end, or with ",
+        rng.toTensor().size(0), " ranks"));
+  }
+  mid_ = {done, sums.toTensor().to(torch::kFloat64).cpu(),
+          rng.toTensor().cpu()};
+  if (is_main() && options_.verbose()) {
+    std::printf("continuing epoch %lld at batch %d\n",
+                static_cast<long long>(read_checkpoint_int(
+                    archive, "epochs_done", path, 0,
+                    std::numeric_limits<int>::max())) + 1,
+                done + 1);
+  }
+}
+
+DDPKIT_TRAINER_TEMPLATE
+std::string DDPKIT_TRAINER::broadcast_bytes(const std::string& bytes) {
+  const auto n = dist::broadcast_value(
+      group_, static_cast<std::int64_t>(bytes.size()), 0);
+  auto t = torch::empty({n}, torch::kUInt8);
+  if (is_main() && n > 0) std::memcpy(t.data_ptr(), bytes.data(), n);
+  t = t.to(group_.device());
+  dist::broadcast(group_, t, 0);
+  t = t.cpu().contiguous();
+  return std::string(static_cast<const char*>(t.data_ptr()),
+                     static_cast<std::size_t>(n));
+}
+
+DDPKIT_TRAINER_TEMPLATE
+void DDPKIT_TRAINER::check_resume_settings(const Checkpoint& archive,
+                                           const std::filesystem::path& path) {
+  using ddpkit::detail::cat;
+  const std::int64_t world = Parallel::is_multi_process ? group_.size() : 1;
+  const auto seed = static_cast<std::int64_t>(options_.seed());
+  std::string changes;
+  c10::IValue v;
+  if (archive.try_read("world_size", v) && v.isInt() && v.toInt() != world) {
+    changes += cat("world size ", v.toInt(), " -> ", world,
+                   " (each rank's share of the data and the effective batch "
+                   "change)");
+  }
+  if (archive.try_read("seed", v) && v.isInt() && v.toInt() != seed) {
+    changes += cat(changes.empty() ? "" : "; ", "seed ", v.toInt(), " -> ",
+                   seed,
+                   " (the sampler's order, augmentation and dropout draw "
+                   "differently from the original run)");
+  }
+  if (changes.empty()) return;
+  if (!options_.resume_allow_changes()) {
+    throw UsageError(cat("checkpoint ", path.string(),
+                         " was written by a run with other settings: ",
+                         changes,
+                         ". Resume with the original settings, or allow the "
+                         "change (resume_allow_changes, "
+                         "--resume-allow-changes)"));
+  }
+  if (is_main() && options_.verbose()) {
+    std::printf("resuming %s with changed settings: %s\n", path.c_str(),
+                changes.c_str());
+  }
 }
 
 /// The epochs (1-based) of the `k` best rows of `history` by `metric`,
@@ -410,6 +547,7 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
   double best = -1;
   int best_epoch = 0, bad_epochs = 0;
   int start = try_resume(result.history, best, best_epoch, bad_epochs);
+  last_checkpoint_step_ = global_step_;
   Progress progress(is_main() && options_.verbose());
   std::optional<TensorBoardWriter> tb;
   if (is_main() && options_.tensorboard()) {
@@ -439,7 +577,10 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     if constexpr (requires { hooks.on_epoch_begin(epoch); })
       hooks.on_epoch_begin(epoch);
     module.train();
-    auto batches = loader.epoch(indices, static_cast<std::size_t>(epoch));
+    // A run resumed from a mid-epoch checkpoint continues at its batch.
+    const auto first = static_cast<std::size_t>(mid_.batches_done);
+    auto batches =
+        loader.epoch(indices, static_cast<std::size_t>(epoch), first);
     constexpr bool can_join = requires(engine_type & e) {
       e.join_round(true);
     };
@@ -470,8 +611,28 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     std::size_t step = 0;
     const auto k = static_cast<std::size_t>(options_.accumulate());
     std::vector<data::Batch> group;  // one optimizer step's batches
+    if (first > 0) {
+      // Every rank's generator as it was there, and the metrics so far
+      // (all ranks' sums, counted once: on rank 0).
+      auto state = mid_.rng[rank].contiguous().clone();
+      at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+      if (is_main()) {
+        loss_sum = mid_.sums[0].template item<double>();
+        correct = mid_.sums[1].template item<double>();
+        count = mid_.sums[2].template item<double>();
+      }
+      step = first;
+      mid_ = {};
+    }
+    struct Done {
+      double loss, n, correct;
+    };
+    std::vector<Done> done;
     for (;;) {
       group.clear();
+      done.clear();
       if constexpr (can_join) {
         if (join) {
           // Every rank, every round; a rank without a batch shadows the
@@ -530,29 +691,57 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         const double loss = factor == 1.0
                                 ? o.loss.template item<double>()
                                 : o.loss.template item<double>() / factor;
-        loss_sum += loss * n;
-        correct += o.output.argmax(1).eq(y).sum().template item<double>();
-        count += n;
+        done.push_back(
+            {loss, n, o.output.argmax(1).eq(y).sum().template item<double>()});
+      }
+      // The gradients are averaged now; unscale (AMP: one fused pass, one
+      // host sync, and the step is skipped everywhere if any rank
+      // overflowed), clip, step.
+      if (!amp || engine_.unscale_and_check(scaler_)) {
+        if (options_.clip().enabled()) {
+          clip_gradients(module.parameters(), options_.clip());
+        }
+        optimizer_->step();
+      }
+      for (const Done& d : done) {  // after the step, batch by batch
+        loss_sum += d.loss * d.n;
+        correct += d.correct;
+        count += d.n;
         ++step;
         double secs = std::chrono::duration<double>(clock::now() - t0).count();
         progress.step(step, loss_sum / count,
                       secs > 0 ? count * world / secs : 0);
         ++global_step_;
         if (tb && log_every > 0 && global_step_ % log_every == 0) {
-          tb->add_scalar("train/loss_step", loss, global_step_);
+          tb->add_scalar("train/loss_step", d.loss, global_step_);
         }
         if constexpr (requires { hooks.on_step_end(StepInfo{}); }) {
-          hooks.on_step_end(StepInfo{epoch, step, loss});
+          hooks.on_step_end(StepInfo{epoch, step, d.loss});
         }
       }
-      // The gradients are averaged now; unscale (AMP: one fused pass, one
-      // host sync, and the step is skipped everywhere if any rank
-      // overflowed), clip, step.
-      if (amp && !engine_.unscale_and_check(scaler_)) continue;
-      if (options_.clip().enabled()) {
-        clip_gradients(module.parameters(), options_.clip());
+      const auto every = options_.checkpoint_every_n_steps();
+      if (every > 0 && options_.checkpoints() && step < batches.size() &&
+          global_step_ / every > last_checkpoint_step_ / every) {
+        // Every rank decides alike (same step counts): gather what a resume
+        // needs, rank 0 writes it, then the TensorBoard events so far.
+        auto sums = torch::tensor({loss_sum, correct, count}, torch::kFloat64)
+                        .to(group_.device());
+        if (multi) dist::all_reduce(group_, sums);
+        auto rng = at::detail::getDefaultCPUGenerator().get_state();
+        torch::Tensor states = rng.unsqueeze(0);
+        if (multi) {
+          states = torch::stack(dist::all_gather(group_, rng.to(group_.device())))
+                       .cpu();
+        }
+        if (is_main()) {
+          mid_ = {static_cast<std::int64_t>(step), sums.cpu(), states};
+          save_checkpoint(out / "checkpoints" / "last.pt", epoch,
+                          result.history, best, best_epoch, bad_epochs);
+          mid_ = {};
+          if (tb) tb->flush();
+        }
+        last_checkpoint_step_ = global_step_;
       }
-      optimizer_->step();
     }
     // Training metrics over every rank's samples.
     auto t = torch::tensor({loss_sum, correct, count}, torch::kFloat64)
