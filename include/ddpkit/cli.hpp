@@ -26,20 +26,20 @@ struct CommonArgs {
   int world_size = 0;  ///< self-spawn this many ranks (ddp builds)
   int devices = 2;     ///< DataParallel replicas
   std::uint64_t seed = 42;
-  std::string resume;          ///< PATH or auto
+  std::string resume;                 ///< PATH or auto
   bool resume_allow_changes = false;  ///< resume with another world/seed
-  std::int64_t max_steps = 0;  ///< cap on steps per epoch
-  int threads = 1;             ///< intra-op threads per rank
-  int workers = 2;             ///< loader threads
+  std::int64_t max_steps = 0;         ///< cap on steps per epoch
+  int threads = 1;                    ///< intra-op threads per rank
+  int workers = 2;                    ///< loader threads
   bool quiet = false;
-  bool amp = false;  ///< --amp: mixed precision (CUDA only)
-  int accumulate = 1;             ///< batches per optimizer step
-  double clip_grad_norm = 0;      ///< clip by global L2 norm (0: off)
-  double clip_grad_value = 0;     ///< clip each element (0: off)
-  bool tensorboard = true;        ///< rank 0 writes OUT/tb event files
-  int log_every_n_steps = 50;     ///< train/loss_step every N batches
-  int keep_best = 1;              ///< best checkpoints kept
-  std::int64_t checkpoint_every = 0;  ///< mid-epoch checkpoints (batches)
+  bool amp = false;                     ///< --amp: mixed precision (CUDA only)
+  int accumulate = 1;                   ///< batches per optimizer step
+  double clip_grad_norm = 0;            ///< clip by global L2 norm (0: off)
+  double clip_grad_value = 0;           ///< clip each element (0: off)
+  bool tensorboard = true;              ///< rank 0 writes OUT/tb event files
+  int log_every_n_steps = 50;           ///< train/loss_step every N batches
+  int keep_best = 1;                    ///< best checkpoints kept
+  std::int64_t checkpoint_every = 0;    ///< mid-epoch checkpoints (batches)
   std::string best_metric = "val_acc";  ///< val_acc or val_loss
 };
 

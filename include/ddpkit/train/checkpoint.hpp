@@ -46,8 +46,7 @@ inline constexpr std::int64_t kCheckpointVersion = 3;
 /// dicts or lists of them), in the order they were written.
 class Checkpoint {
  public:
-  Checkpoint()
-      : dict_(c10::StringType::get(), c10::AnyType::get()) {}
+  Checkpoint() : dict_(c10::StringType::get(), c10::AnyType::get()) {}
   explicit Checkpoint(c10::impl::GenericDict d) : dict_(std::move(d)) {}
 
   void write(const std::string& key, c10::IValue value) {
@@ -62,8 +61,8 @@ class Checkpoint {
       bytes.append(static_cast<const char*>(data), n);
       return n;
     });
-    auto t = torch::empty({static_cast<std::int64_t>(bytes.size())},
-                          torch::kUInt8);
+    auto t =
+        torch::empty({static_cast<std::int64_t>(bytes.size())}, torch::kUInt8);
     if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
     write("optimizer", t);
   }
@@ -167,10 +166,11 @@ inline Checkpoint parse_checkpoint(const std::string& bytes,
   c10::IValue version;
   if (checkpoint.try_read("format_version", version) && version.isInt() &&
       version.toInt() > kCheckpointVersion) {
-    throw UsageError(ddpkit::detail::cat(
-        what, " has format version ", version.toInt(),
-        "; this ddpkit reads up to ", kCheckpointVersion, " (a newer ddpkit "
-        "wrote it)"));
+    throw UsageError(
+        ddpkit::detail::cat(what, " has format version ", version.toInt(),
+                            "; this ddpkit reads up to ", kCheckpointVersion,
+                            " (a newer ddpkit "
+                            "wrote it)"));
   }
   return checkpoint;
 }

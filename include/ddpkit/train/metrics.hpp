@@ -107,11 +107,17 @@ inline std::string json_escape(const std::string& s) {
 }  // namespace detail
 
 /// The metrics files' columns, in order.
-inline constexpr const char* kMetricsColumns[] = {
-    "epoch",         "train_loss",    "train_acc",
-    "val_loss",      "val_acc",       "lr",
-    "seconds",       "train_seconds", "val_seconds",
-    "train_images_per_second",        "epoch_images_per_second"};
+inline constexpr const char* kMetricsColumns[] = {"epoch",
+                                                  "train_loss",
+                                                  "train_acc",
+                                                  "val_loss",
+                                                  "val_acc",
+                                                  "lr",
+                                                  "seconds",
+                                                  "train_seconds",
+                                                  "val_seconds",
+                                                  "train_images_per_second",
+                                                  "epoch_images_per_second"};
 
 namespace detail {
 inline std::vector<std::string> metric_values(const EpochMetrics& m) {

@@ -41,7 +41,8 @@ inline constexpr std::array<std::uint32_t, 256> kCrc32cTable = [] {
 inline std::uint32_t crc32c(const void* data, std::size_t n) {
   auto* p = static_cast<const unsigned char*>(data);
   std::uint32_t c = 0xFFFFFFFFu;
-  for (std::size_t i = 0; i < n; ++i) c = kCrc32cTable[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+  for (std::size_t i = 0; i < n; ++i)
+    c = kCrc32cTable[(c ^ p[i]) & 0xFF] ^ (c >> 8);
   return c ^ 0xFFFFFFFFu;
 }
 
@@ -122,14 +123,13 @@ class TensorBoardWriter {
     }
     char host[256] = "localhost";
     ::gethostname(host, sizeof host - 1);
-    const auto stem =
-        cat("events.out.tfevents.",
-            static_cast<long long>(tensorboard_detail::now_seconds()), ".",
-            host);
+    const auto stem = cat(
+        "events.out.tfevents.",
+        static_cast<long long>(tensorboard_detail::now_seconds()), ".", host);
     for (int n = 0; fd_ < 0; ++n) {
       path_ = dir / (n == 0 ? stem : cat(stem, ".", n));
-      fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
-                   0644);
+      fd_ =
+          ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
       if (fd_ < 0 && errno != EEXIST) {
         throw UsageError(cat("TensorBoard file ", path_.string(),
                              " cannot be created: ", std::strerror(errno)));
@@ -165,15 +165,15 @@ class TensorBoardWriter {
                 std::int64_t step) {
     using namespace tensorboard_detail;
     std::string plugin_data, metadata, tensor, v;
-    bytes_field(plugin_data, 1, "text");  // PluginData.plugin_name
+    bytes_field(plugin_data, 1, "text");    // PluginData.plugin_name
     bytes_field(metadata, 1, plugin_data);  // SummaryMetadata.plugin_data
     key(tensor, 1, 0);
-    varint(tensor, 7);                      // TensorProto.dtype = DT_STRING
-    bytes_field(tensor, 2, "");             // tensor_shape: a scalar
-    bytes_field(tensor, 8, text);           // string_val
+    varint(tensor, 7);             // TensorProto.dtype = DT_STRING
+    bytes_field(tensor, 2, "");    // tensor_shape: a scalar
+    bytes_field(tensor, 8, text);  // string_val
     bytes_field(v, 1, tag);
-    bytes_field(v, 8, tensor);              // Summary.Value.tensor
-    bytes_field(v, 9, metadata);            // Summary.Value.metadata
+    bytes_field(v, 8, tensor);    // Summary.Value.tensor
+    bytes_field(v, 9, metadata);  // Summary.Value.metadata
     add_value(v, step);
   }
 
@@ -185,9 +185,9 @@ class TensorBoardWriter {
           ::write(fd_, pending_.data() + done, pending_.size() - done);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) {
-        throw std::runtime_error(ddpkit::detail::cat(
-            "writing TensorBoard file ", path_.string(), ": ",
-            std::strerror(errno)));
+        throw std::runtime_error(
+            ddpkit::detail::cat("writing TensorBoard file ", path_.string(),
+                                ": ", std::strerror(errno)));
       }
       done += static_cast<std::size_t>(n);
     }
@@ -203,7 +203,7 @@ class TensorBoardWriter {
   void add_value(const std::string& value, std::int64_t step) {
     using namespace tensorboard_detail;
     std::string summary, payload;
-    bytes_field(summary, 1, value);   // Summary.value
+    bytes_field(summary, 1, value);    // Summary.value
     bytes_field(payload, 5, summary);  // Event.summary
     pending_ += record(event(now_seconds(), step, payload));
   }

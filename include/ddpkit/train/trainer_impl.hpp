@@ -200,10 +200,9 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
   using ddpkit::detail::cat;
   const std::string& what = options_.resume();
   if (what.empty()) return 0;
-  const fs::path path = what == "auto"
-                            ? fs::path(options_.out_dir()) / "checkpoints" /
-                                  "last.pt"
-                            : fs::path(what);
+  const fs::path path =
+      what == "auto" ? fs::path(options_.out_dir()) / "checkpoints" / "last.pt"
+                     : fs::path(what);
   // Rank 0 alone reads the file (only rank 0 writes checkpoints, so on a
   // second host without a shared filesystem the others have none) and
   // sends its bytes; every rank parses the same bytes, so every rank
@@ -216,8 +215,8 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
     try {
       if (what != "auto" || fs::is_regular_file(path)) {
         if (!fs::is_regular_file(path)) {
-          throw UsageError(cat("checkpoint ", path.string(),
-                               " does not exist"));
+          throw UsageError(
+              cat("checkpoint ", path.string(), " does not exist"));
         }
         bytes = ddpkit::detail::read_whole_file(path,
                                                 "checkpoint " + path.string());
@@ -281,32 +280,38 @@ void DDPKIT_TRAINER::read_mid_epoch(const Checkpoint& archive,
                   rng.toTensor().scalar_type() == torch::kUInt8;
   if (!ok) {
     throw UsageError(cat("checkpoint ", path.string(), " stops after batch ",
-                         done, " of an epoch but lacks 'epoch_sums' or "
+                         done,
+                         " of an epoch but lacks 'epoch_sums' or "
                          "'rng_cpu_ranks' (a damaged file?)"));
   }
   if (rng.toTensor().size(0) != world) {
-    throw UsageError(cat(
-        "checkpoint ", path.string(), " was written in the middle of an epoch "
-        "by ", rng.toTensor().size(0), " ranks; it can only be resumed by as "
-        "many (this run has ", world, "), since each rank's share of the epoch "
-        "depends on it. Resume from an epoch's end, or with ",
-        rng.toTensor().size(0), " ranks"));
+    throw UsageError(cat("checkpoint ", path.string(),
+                         " was written in the middle of an epoch "
+                         "by ",
+                         rng.toTensor().size(0),
+                         " ranks; it can only be resumed by as "
+                         "many (this run has ",
+                         world,
+                         "), since each rank's share of the epoch "
+                         "depends on it. Resume from an epoch's end, or with ",
+                         rng.toTensor().size(0), " ranks"));
   }
   mid_ = {done, sums.toTensor().to(torch::kFloat64).cpu(),
           rng.toTensor().cpu()};
   if (is_main() && options_.verbose()) {
-    std::printf("continuing epoch %lld at batch %d\n",
-                static_cast<long long>(read_checkpoint_int(
-                    archive, "epochs_done", path, 0,
-                    std::numeric_limits<int>::max())) + 1,
-                done + 1);
+    std::printf(
+        "continuing epoch %lld at batch %d\n",
+        static_cast<long long>(read_checkpoint_int(
+            archive, "epochs_done", path, 0, std::numeric_limits<int>::max())) +
+            1,
+        done + 1);
   }
 }
 
 DDPKIT_TRAINER_TEMPLATE
 std::string DDPKIT_TRAINER::broadcast_bytes(const std::string& bytes) {
-  const auto n = dist::broadcast_value(
-      group_, static_cast<std::int64_t>(bytes.size()), 0);
+  const auto n =
+      dist::broadcast_value(group_, static_cast<std::int64_t>(bytes.size()), 0);
   auto t = torch::empty({n}, torch::kUInt8);
   if (is_main() && n > 0) std::memcpy(t.data_ptr(), bytes.data(), n);
   t = t.to(group_.device());
@@ -330,16 +335,15 @@ void DDPKIT_TRAINER::check_resume_settings(const Checkpoint& archive,
                    "change)");
   }
   if (archive.try_read("seed", v) && v.isInt() && v.toInt() != seed) {
-    changes += cat(changes.empty() ? "" : "; ", "seed ", v.toInt(), " -> ",
-                   seed,
-                   " (the sampler's order, augmentation and dropout draw "
-                   "differently from the original run)");
+    changes +=
+        cat(changes.empty() ? "" : "; ", "seed ", v.toInt(), " -> ", seed,
+            " (the sampler's order, augmentation and dropout draw "
+            "differently from the original run)");
   }
   if (changes.empty()) return;
   if (!options_.resume_allow_changes()) {
     throw UsageError(cat("checkpoint ", path.string(),
-                         " was written by a run with other settings: ",
-                         changes,
+                         " was written by a run with other settings: ", changes,
                          ". Resume with the original settings, or allow the "
                          "change (resume_allow_changes, "
                          "--resume-allow-changes)"));
@@ -360,9 +364,8 @@ inline std::vector<int> best_epochs(const std::vector<EpochMetrics>& history,
   };
   std::vector<const EpochMetrics*> rows;
   for (const auto& m : history) rows.push_back(&m);
-  std::stable_sort(rows.begin(), rows.end(), [&](auto* a, auto* b) {
-    return score(*a) > score(*b);
-  });
+  std::stable_sort(rows.begin(), rows.end(),
+                   [&](auto* a, auto* b) { return score(*a) > score(*b); });
   std::vector<int> epochs;
   for (int i = 0; i < k && i < static_cast<int>(rows.size()); ++i) {
     epochs.push_back(rows[i]->epoch);
@@ -389,8 +392,8 @@ void DDPKIT_TRAINER::keep_best_checkpoints(
       save_checkpoint(dir / "best.pt", epochs_done, history, best, best_epoch,
                       bad_epochs);
     } else {
-      save_checkpoint(epoch_file(epoch), epochs_done, history, best,
-                      best_epoch, bad_epochs);
+      save_checkpoint(epoch_file(epoch), epochs_done, history, best, best_epoch,
+                      bad_epochs);
       if (top.front() == epoch) {
         // best.pt names the same file: a hard link made beside it and
         // renamed over it, so best.pt is always whole.
@@ -411,8 +414,8 @@ void DDPKIT_TRAINER::keep_best_checkpoints(
     int e = 0;
     char tail = 0;
     if (std::sscanf(name.c_str(), "best-epoch-%d.p%c", &e, &tail) == 2 &&
-        name == epoch_file(e).filename().string() &&
-        k > 1 && std::find(top.begin(), top.end(), e) == top.end()) {
+        name == epoch_file(e).filename().string() && k > 1 &&
+        std::find(top.begin(), top.end(), e) == top.end()) {
       fs::remove(entry.path(), ec);
     }
   }
@@ -488,10 +491,10 @@ void DDPKIT_TRAINER::write_summary(const FitResult& r,
   if (options_.keep_best() != 1 ||
       options_.best_metric() != BestMetric::val_acc) {
     j.add("keep_best", options_.keep_best())
-        .add("best_metric", std::string(options_.best_metric() ==
-                                                BestMetric::val_acc
-                                            ? "val_acc"
-                                            : "val_loss"));
+        .add("best_metric",
+             std::string(options_.best_metric() == BestMetric::val_acc
+                             ? "val_acc"
+                             : "val_loss"));
   }
   if (options_.clip().max_norm() > 0) {
     j.add("clip_grad_norm", options_.clip().max_norm())
@@ -730,8 +733,9 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         auto rng = at::detail::getDefaultCPUGenerator().get_state();
         torch::Tensor states = rng.unsqueeze(0);
         if (multi) {
-          states = torch::stack(dist::all_gather(group_, rng.to(group_.device())))
-                       .cpu();
+          states =
+              torch::stack(dist::all_gather(group_, rng.to(group_.device())))
+                  .cpu();
         }
         if (is_main()) {
           mid_ = {static_cast<std::int64_t>(step), sums.cpu(), states};
