@@ -580,6 +580,17 @@ TEST_SUITE("train") {
         CHECK(num(ra[i], k) == doctest::Approx(num(rb[i], k)).epsilon(1e-12));
       }
     }
+    // Throughput of the resumed epoch counts the 32 images trained after
+    // the checkpoint (2 ranks x 2 batches of 8), not the 64 of the epoch.
+    const auto full_rows = read_file(b / "out/metrics.jsonl");
+    std::istringstream in(full_rows);
+    std::string row;
+    for (int i = 0; i < 2; ++i) std::getline(in, row);
+    auto num = [&](const std::string& k) {
+      return std::stod(row.substr(row.find("\"" + k + "\":") + k.size() + 3));
+    };
+    CHECK(num("train_images_per_second") * num("train_seconds") ==
+          doctest::Approx(32).epsilon(1e-6));
   }
 
   TEST_CASE(

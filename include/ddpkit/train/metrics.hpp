@@ -31,7 +31,9 @@ namespace ddpkit::train {
 /// covers the validation pass, `seconds` the whole epoch (both, plus
 /// checkpoints and files). `train_images_per_second` is training images
 /// (all ranks) per training second: the figure other tools call training
-/// throughput; `epoch_images_per_second` divides by the whole epoch.
+/// throughput; `epoch_images_per_second` divides by the whole epoch. An
+/// epoch resumed from a mid-epoch checkpoint counts only the images trained
+/// after it.
 /// Rows read from checkpoints written before these were split have NaN
 /// (`null` in JSON) for the train/val split.
 struct EpochMetrics {

@@ -614,6 +614,7 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     std::size_t step = 0;
     const auto k = static_cast<std::size_t>(options_.accumulate());
     std::vector<data::Batch> group;  // one optimizer step's batches
+    double resumed_images = 0;  // trained before a mid-epoch checkpoint
     if (first > 0) {
       // Every rank's generator as it was there, and the metrics so far
       // (all ranks' sums, counted once: on rank 0).
@@ -627,6 +628,7 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
         count = mid_.sums[2].template item<double>();
       }
       step = first;
+      resumed_images = mid_.sums[2].template item<double>();
       mid_ = {};
     }
     struct Done {
@@ -780,9 +782,12 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
       m.train_seconds = times[1].template item<double>();
       m.val_seconds = times[2].template item<double>();
     }
+    // Images trained in this process's time (an epoch resumed mid-way
+    // counts only those after its checkpoint).
+    const double trained = total - resumed_images;
     m.train_images_per_second =
-        m.train_seconds > 0 ? total / m.train_seconds : 0;
-    m.epoch_images_per_second = m.seconds > 0 ? total / m.seconds : 0;
+        m.train_seconds > 0 ? trained / m.train_seconds : 0;
+    m.epoch_images_per_second = m.seconds > 0 ? trained / m.seconds : 0;
     result.history.push_back(m);
     // Decisions use only values every rank holds, so every rank decides
     // the same.
