@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/concepts.hpp"
+#include "ddpkit/data/loader.hpp"
 #include "ddpkit/data/samplers.hpp"
 #include "ddpkit/dist/collectives.hpp"
 #include "ddpkit/nn/batch_norm.hpp"

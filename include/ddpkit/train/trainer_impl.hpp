@@ -614,7 +614,7 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     std::size_t step = 0;
     const auto k = static_cast<std::size_t>(options_.accumulate());
     std::vector<data::Batch> group;  // one optimizer step's batches
-    double resumed_images = 0;  // trained before a mid-epoch checkpoint
+    double resumed_images = 0;       // trained before a mid-epoch checkpoint
     if (first > 0) {
       // Every rank's generator as it was there, and the metrics so far
       // (all ranks' sums, counted once: on rank 0).
