@@ -262,7 +262,6 @@ class Trainer {
   int try_resume(std::vector<EpochMetrics>& history, double& best,
                  int& best_epoch, int& bad_epochs);
   std::string hparams_markdown(const data::LoaderOptions& lo) const;
-  std::string broadcast_bytes(const std::string& bytes);
   void read_mid_epoch(const Checkpoint& archive,
                       const std::filesystem::path& path);
   void check_resume_settings(const Checkpoint& archive,

@@ -230,7 +230,7 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
   }
   if (multi) {
     status = dist::broadcast_value(group_, status, 0);
-    if (status != 0) bytes = broadcast_bytes(bytes);
+    if (status != 0) bytes = dist::broadcast_string(group_, bytes, 0);
   }
   if (status == 2) throw UsageError(bytes);
   if (status == 0) {
@@ -306,19 +306,6 @@ void DDPKIT_TRAINER::read_mid_epoch(const Checkpoint& archive,
             1,
         done + 1);
   }
-}
-
-DDPKIT_TRAINER_TEMPLATE
-std::string DDPKIT_TRAINER::broadcast_bytes(const std::string& bytes) {
-  const auto n =
-      dist::broadcast_value(group_, static_cast<std::int64_t>(bytes.size()), 0);
-  auto t = torch::empty({n}, torch::kUInt8);
-  if (is_main() && n > 0) std::memcpy(t.data_ptr(), bytes.data(), n);
-  t = t.to(group_.device());
-  dist::broadcast(group_, t, 0);
-  t = t.cpu().contiguous();
-  return std::string(static_cast<const char*>(t.data_ptr()),
-                     static_cast<std::size_t>(n));
 }
 
 DDPKIT_TRAINER_TEMPLATE
