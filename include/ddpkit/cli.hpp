@@ -40,6 +40,7 @@ struct CommonArgs {
   int log_every_n_steps = 50;           ///< train/loss_step every N batches
   int keep_best = 1;                    ///< best checkpoints kept
   std::int64_t checkpoint_every = 0;    ///< mid-epoch checkpoints (batches)
+  bool checkpoint_on_signal = true;     ///< SIGTERM/SIGINT: checkpoint, stop
   std::string best_metric = "val_acc";  ///< val_acc or val_loss
 };
 
@@ -104,6 +105,11 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                  "epochs; --resume auto continues there (0: epoch ends only)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_flag("--checkpoint-on-signal,!--no-checkpoint-on-signal",
+               args.checkpoint_on_signal,
+               "on SIGTERM/SIGINT, finish the batch, write checkpoints/last.pt "
+               "there and exit 128+signal (a second signal kills at once; on "
+               "by default)");
   app.add_option("--keep-best", args.keep_best,
                  "keep the K best epochs' checkpoints (best-epoch-E.pt; "
                  "best.pt is the best)")
@@ -147,6 +153,7 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .log_every_n_steps(args.log_every_n_steps)
       .keep_best(args.keep_best)
       .checkpoint_every_n_steps(args.checkpoint_every)
+      .checkpoint_on_signal(args.checkpoint_on_signal)
       .best_metric(args.best_metric == "val_loss" ? train::BestMetric::val_loss
                                                   : train::BestMetric::val_acc);
 }

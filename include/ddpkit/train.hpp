@@ -7,4 +7,5 @@
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"
+#include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/trainer.hpp"

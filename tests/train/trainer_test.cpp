@@ -1,6 +1,7 @@
 // The Trainer: rank-0 duties, resume equivalence, atomic checkpoints, early
 // stopping, LR policies, evaluation strategies. Multi-process cases run
 // real processes over gloo.
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <set>
@@ -286,24 +287,34 @@ DDPKIT_WORKER(trainer_mid_epoch) {
   torch::manual_seed(g.rank());
   auto d = make_data(64, 20);
   const int stop_at = std::atoi(std::getenv("T_STOP_AT"));
+  // Rank 0 alone gets SIGTERM after this batch (counted over the run).
+  const char* signal_at = std::getenv("T_SIGNAL_AT");
+  const char* every = std::getenv("T_EVERY");
   struct StopAt {
-    int at;
+    int at, signal_at, rank;
     void on_step_end(const train::StepInfo& s) {
-      if (at > 0 && s.epoch * 4 + static_cast<int>(s.step) == at) {
+      const int batch = s.epoch * 4 + static_cast<int>(s.step);
+      if (at > 0 && batch == at) {
         throw std::runtime_error("stopped as planned");
       }
+      if (rank == 0 && signal_at > 0 && batch == signal_at) ::raise(SIGTERM);
     }
-  } hooks{stop_at};
+  } hooks{stop_at, signal_at ? std::atoi(signal_at) : 0, g.rank()};
   DDPTrainer<TinyNet, SyncBN> trainer(
       TinyNet(), adam(),
       base_options(test::worker_dir() / "out", 3)
           .resume(std::getenv("T_RESUME"))
-          .checkpoint_every_n_steps(3)
+          .checkpoint_every_n_steps(every ? std::atoi(every) : 3)
           .tensorboard(false),
       g);
   try {
     trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
                 data::LoaderOptions(8).workers(1), hooks);
+  } catch (const Interrupted& e) {
+    std::ofstream(test::worker_dir() /
+                  ("interrupted" + std::to_string(g.rank())))
+        << e.signal() << " " << e.what();
+    return 4;
   } catch (const std::runtime_error& e) {
     if (std::string(e.what()) != "stopped as planned") throw;
     return 3;
@@ -591,6 +602,60 @@ TEST_SUITE("train") {
     };
     CHECK(num("train_images_per_second") * num("train_seconds") ==
           doctest::Approx(32).epsilon(1e-6));
+  }
+
+  TEST_CASE(
+      "SIGTERM to one rank mid-epoch: DDP at world 2 stops both ranks at the "
+      "same batch after a checkpoint there, and the resumed run ends with an "
+      "uninterrupted run's weights, bit for bit") {
+    auto run = [](const TempDir& dir, const std::string& tag, int signal_at,
+                  const std::string& resume) {
+      return run_workers("trainer_mid_epoch", 2, dir.str(),
+                         {{"T_TAG", tag},
+                          {"T_STOP_AT", "0"},
+                          {"T_EVERY", "0"},
+                          {"T_SIGNAL_AT", std::to_string(signal_at)},
+                          {"T_RESUME", resume}});
+    };
+    TempDir a;
+    REQUIRE(run(a, "full", 0, "").ok());
+    const auto want = model_of(a / "out/checkpoints/last.pt");
+    // After batch 6 (epoch 2, batch 2 of 4), and after the last batch of
+    // epoch 2 (before its evaluation).
+    for (int signal_at : {6, 8}) {
+      CAPTURE(signal_at);
+      TempDir b;
+      auto res = run(b, "stopped", signal_at, "");
+      CHECK(res.exit_code == 4);
+      const std::string where =
+          signal_at == 6 ? "after batch 2 of 4 in epoch 2"
+                         : "after batch 4 of 4 in epoch 2";
+      for (int r = 0; r < 2; ++r) {
+        CAPTURE(r);
+        const auto msg = read_file(b / ("interrupted" + std::to_string(r)));
+        MESSAGE(msg);
+        CHECK(msg.rfind(std::to_string(SIGTERM) + " stopped by SIGTERM " +
+                            where,
+                        0) == 0);
+        CHECK(msg.find("--resume auto") != std::string::npos);
+      }
+      {
+        auto archive = train::open_checkpoint(b / "out/checkpoints/last.pt");
+        c10::IValue done, epochs;
+        archive.read("epoch_batches_done", done);
+        archive.read("epochs_done", epochs);
+        CHECK(done.toInt() == (signal_at == 6 ? 2 : 4));
+        CHECK(epochs.toInt() == 1);
+      }
+      REQUIRE(run(b, "resumed", 0, "auto").ok());
+      auto got = model_of(b / "out/checkpoints/last.pt");
+      REQUIRE(got.size() == want.size());
+      for (auto& kv : want) {
+        CAPTURE(kv.key().toStringRef());
+        CHECK(torch::equal(kv.value().toTensor(), got.at(kv.key()).toTensor()));
+      }
+      CHECK(count_of(read_file(b / "out/metrics.jsonl"), "\"epoch\":") == 3);
+    }
   }
 
   TEST_CASE(
@@ -1089,6 +1154,62 @@ TEST_SUITE("train") {
     MESSAGE(msg);
     CHECK(msg.find("rank 1 was started with world size 3 but rank 0 with 2") !=
           std::string::npos);
+  }
+
+  TEST_CASE(
+      "SIGINT in one process stops fit after a checkpoint at that batch and "
+      "restores the signal's handler; with checkpoint_on_signal(false) it "
+      "is left alone") {
+    auto d = make_data(48, 10);
+    struct RaiseAt {
+      int at;
+      void on_step_end(const train::StepInfo& s) {
+        if (s.epoch == 1 && static_cast<int>(s.step) == at) ::raise(SIGINT);
+      }
+    };
+    TempDir out;
+    SingleDeviceTrainer<TinyNet> trainer(
+        TinyNet(), adam(),
+        base_options(out.path(), 3).verbose(false).tensorboard(false));
+    struct sigaction before {};
+    ::sigaction(SIGINT, nullptr, &before);
+    int sig = 0;
+    try {
+      trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                  data::LoaderOptions(16).workers(0), RaiseAt{2});
+    } catch (const Interrupted& e) {
+      sig = e.signal();
+      MESSAGE(std::string(e.what()));
+    }
+    CHECK(sig == SIGINT);
+    auto archive = train::open_checkpoint(out / "checkpoints/last.pt");
+    c10::IValue done, epochs;
+    archive.read("epoch_batches_done", done);
+    archive.read("epochs_done", epochs);
+    CHECK(done.toInt() == 2);
+    CHECK(epochs.toInt() == 1);
+    struct sigaction now {};
+    ::sigaction(SIGINT, nullptr, &now);
+    const bool restored = now.sa_handler == before.sa_handler;
+    CHECK(restored);
+    // Off: the signal keeps its usual effect (here a handler of the test's
+    // own, which fit must not replace).
+    static volatile std::sig_atomic_t seen = 0;
+    struct sigaction mine {};
+    mine.sa_handler = [](int) { seen = 1; };
+    sigemptyset(&mine.sa_mask);
+    ::sigaction(SIGINT, &mine, nullptr);
+    TempDir out2;
+    SingleDeviceTrainer<TinyNet> plain(TinyNet(), adam(),
+                                       base_options(out2.path(), 3)
+                                           .verbose(false)
+                                           .tensorboard(false)
+                                           .checkpoint_on_signal(false));
+    auto r = plain.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                       data::LoaderOptions(16).workers(0), RaiseAt{2});
+    CHECK(seen == 1);
+    CHECK(r.epochs_run == 3);
+    ::sigaction(SIGINT, &before, nullptr);
   }
 
   TEST_CASE("user hooks are called at epoch begin, step end and epoch end") {

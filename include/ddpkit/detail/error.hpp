@@ -37,6 +37,21 @@ class PeerFailure : public DistError {
   using DistError::DistError;
 };
 
+/// Training stopped on SIGTERM or SIGINT after writing a checkpoint (see
+/// `TrainerOptions::checkpoint_on_signal`). `launch` prints the message on
+/// rank 0 and exits 128 + the signal, as a process killed by it would.
+class Interrupted : public Error {
+ public:
+  Interrupted(const std::string& what, int signal)
+      : Error(what), signal_(signal) {}
+  int signal() const {
+    return signal_;
+  }
+
+ private:
+  int signal_;
+};
+
 /// Exit code of a rank that stopped because a peer failed (EX_TEMPFAIL).
 inline constexpr int kPeerFailureExitCode = 75;
 

@@ -46,8 +46,9 @@ inline int world_size_from_args(int argc, char** argv) {
 /// - otherwise: reads the environment (torchrun / SLURM / Open MPI or none),
 ///   meets the other ranks, and calls `fn`.
 /// Ranks other than 0 print nothing on stdout unless `DDPKIT_ALL_RANKS_PRINT`
-/// is set; errors go to stderr from any rank. A `UsageError` exits 2, any
-/// other exception exits 1.
+/// is set; errors go to stderr from any rank. A `UsageError` exits 2,
+/// `Interrupted` (training stopped on a signal after a checkpoint) 128 + the
+/// signal, any other exception 1.
 ///
 /// Example:
 /// ```
@@ -86,6 +87,9 @@ int launch(int argc, char** argv, int world_size, Fn&& fn,
   } catch (const UsageError& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
+  } catch (const Interrupted& e) {
+    if (rank <= 0) std::fprintf(stderr, "%s\n", e.what());
+    return 128 + e.signal();
   } catch (const PeerFailure& e) {
     std::fprintf(stderr, "error (rank %d): %s\n", rank, e.what());
     return kPeerFailureExitCode;

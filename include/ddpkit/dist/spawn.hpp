@@ -48,6 +48,12 @@ struct SpawnOptions {
   /// After the first failure, how long the others get after SIGTERM before
   /// SIGKILL.
   TORCH_ARG(std::chrono::milliseconds, grace) = std::chrono::seconds(3);
+  /// After SIGINT/SIGTERM to the launcher, how long the ranks get after the
+  /// SIGTERM passed on before SIGKILL: time to finish the step and write a
+  /// checkpoint (torchrun and SLURM give 30 s). A second SIGINT/SIGTERM to
+  /// the launcher kills them at once.
+  TORCH_ARG(std::chrono::milliseconds,
+            interrupt_grace) = std::chrono::seconds(30);
   /// Rendezvous port; 0 picks a free loopback port.
   TORCH_ARG(int, master_port) = 0;
   /// Print the launcher's own failure message on stderr.
@@ -119,7 +125,8 @@ inline bool is_spawned_rank() {
 
 /// Starts `world_size` ranks and waits for all of them. On the first rank to
 /// fail (non-zero exit or a signal) the others get SIGTERM, then SIGKILL
-/// after `grace`; SIGINT/SIGTERM to the launcher are passed on the same way.
+/// after `grace`; SIGINT/SIGTERM to the launcher are passed on as SIGTERM,
+/// with SIGKILL after `interrupt_grace` or at a second signal.
 /// The result names the first failed rank and how it ended.
 inline SpawnResult spawn(const SpawnOptions& opts) {
   using ddpkit::detail::cat;
@@ -298,7 +305,8 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
       stop_all(SIGTERM);
     }
     if (stopping && !sigterm_pending && !killed &&
-        clock::now() - stop_started > opts.grace()) {
+        clock::now() - stop_started >
+            (interrupted ? opts.interrupt_grace() : opts.grace())) {
       stop_all(SIGKILL);
       killed = true;
     }
@@ -314,6 +322,15 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
       stop_started = clock::now();
       stop_all(SIGTERM);
       result.exit_code = 128 + sig;
+    } else if ((sig == SIGINT || sig == SIGTERM) && interrupted && !killed) {
+      if (opts.report()) {
+        std::fprintf(stderr,
+                     "ddpkit: launcher got a second signal; killing "
+                     "%d rank(s)\n",
+                     alive);
+      }
+      stop_all(SIGKILL);
+      killed = true;
     }
   }
   pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);

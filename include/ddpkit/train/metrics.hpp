@@ -219,6 +219,7 @@ class Progress {
     if (done < steps_ && now - last_draw_ < std::chrono::milliseconds(100))
       return;
     last_draw_ = now;
+    drawn_ = true;
     double elapsed = std::chrono::duration<double>(now - start_).count();
     double eta = done ? elapsed / done * (steps_ - done) : 0;
     const int width = 24;
@@ -233,6 +234,7 @@ class Progress {
   void end_epoch(const EpochMetrics& m) {
     if (!enabled_) return;
     if (tty_) std::printf("\r\033[K");
+    drawn_ = false;
     std::printf(
         "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc "
         "%.4f  lr %.3g  %.1fs (train %.1fs, val %.1fs)  %.0f train img/s\n",
@@ -242,14 +244,18 @@ class Progress {
     std::fflush(stdout);
   }
 
+  /// A line of its own (a bar drawn mid-epoch is kept, and ended first).
   void line(const std::string& s) {
     if (!enabled_) return;
+    if (drawn_) std::printf("\n");
+    drawn_ = false;
     std::printf("%s\n", s.c_str());
     std::fflush(stdout);
   }
 
  private:
   bool enabled_, tty_;
+  bool drawn_ = false;  ///< a bar is on the current line
   int epoch_ = 0, epochs_ = 0;
   std::size_t steps_ = 0;
   std::chrono::steady_clock::time_point start_, last_draw_;

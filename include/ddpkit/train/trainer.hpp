@@ -27,6 +27,7 @@
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"
+#include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/tensorboard.hpp"
 
 namespace ddpkit::train {
@@ -86,6 +87,16 @@ struct TrainerOptions {
   /// bit for bit). Needs the same world size to resume; not with
   /// `uneven_inputs(join)`.
   TORCH_ARG(std::int64_t, checkpoint_every_n_steps) = 0;
+  /// SIGTERM or SIGINT during `fit` (what torchrun, SLURM and Ctrl-C send
+  /// before killing) stops training at the next batch boundary instead of
+  /// at once: the ranks agree on the batch (one 8-byte all-reduce per
+  /// optimizer step), rank 0 writes checkpoints/last.pt there (as
+  /// `checkpoint_every_n_steps` does, resumable with `resume("auto")`), and
+  /// `fit` throws `Interrupted` (`launch` exits 128 + the signal). A signal
+  /// during evaluation stops after the epoch's checkpoint. A second signal
+  /// ends the process at once. With `uneven_inputs(join)` the ranks stop
+  /// at the epoch's end. false: the signals keep their usual effect.
+  TORCH_ARG(bool, checkpoint_on_signal) = true;
   TORCH_ARG(BestMetric, best_metric) = BestMetric::val_acc;
   /// Also write the model's state dict (Python-loadable) each epoch to this
   /// pattern under OUT, `{epoch}` replaced (flowers:
@@ -262,6 +273,10 @@ class Trainer {
   int try_resume(std::vector<EpochMetrics>& history, double& best,
                  int& best_epoch, int& bad_epochs);
   std::string hparams_markdown(const data::LoaderOptions& lo) const;
+  void save_mid_epoch(const std::filesystem::path& out, int epoch,
+                      std::size_t batches_done, const torch::Tensor& sums,
+                      const std::vector<EpochMetrics>& history, double best,
+                      int best_epoch, int bad_epochs);
   void read_mid_epoch(const Checkpoint& archive,
                       const std::filesystem::path& path);
   void check_resume_settings(const Checkpoint& archive,

@@ -262,6 +262,31 @@ int DDPKIT_TRAINER::try_resume(std::vector<EpochMetrics>& history, double& best,
 }
 
 DDPKIT_TRAINER_TEMPLATE
+void DDPKIT_TRAINER::save_mid_epoch(const std::filesystem::path& out, int epoch,
+                                    std::size_t batches_done,
+                                    const torch::Tensor& sums,
+                                    const std::vector<EpochMetrics>& history,
+                                    double best, int best_epoch,
+                                    int bad_epochs) {
+  // Every rank takes part: the metrics so far over all ranks, and every
+  // rank's generator, which only rank 0 writes.
+  const bool multi = Parallel::is_multi_process && group_.size() > 1;
+  torch::Tensor all = sums.to(group_.device());
+  if (multi) dist::all_reduce(group_, all);
+  auto rng = at::detail::getDefaultCPUGenerator().get_state();
+  torch::Tensor states = rng.unsqueeze(0);
+  if (multi) {
+    states =
+        torch::stack(dist::all_gather(group_, rng.to(group_.device()))).cpu();
+  }
+  if (!is_main()) return;
+  mid_ = {static_cast<std::int64_t>(batches_done), all.cpu(), states};
+  save_checkpoint(out / "checkpoints" / "last.pt", epoch, history, best,
+                  best_epoch, bad_epochs);
+  mid_ = {};
+}
+
+DDPKIT_TRAINER_TEMPLATE
 void DDPKIT_TRAINER::read_mid_epoch(const Checkpoint& archive,
                                     const std::filesystem::path& path) {
   using ddpkit::detail::cat;
@@ -546,6 +571,28 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
     tb->flush();
   }
   const auto log_every = options_.log_every_n_steps();
+  // SIGTERM/SIGINT only raise a flag from here on; the ranks agree on it
+  // (a signal may reach one rank only) and stop after a checkpoint.
+  SignalFlag signals(options_.checkpoint_on_signal());
+  auto agreed_signal = [&]() -> int {
+    if (!signals.armed()) return 0;
+    return multi ? dist::all_reduce_value(group_, signals.pending(),
+                                          dist::Reduce::max)
+                 : signals.pending();
+  };
+  auto interrupted = [&](int sig, const std::string& where) {
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    const std::string msg = ddpkit::detail::cat(
+        "stopped by ", name, " ", where, " (global step ", global_step_, "); ",
+        options_.checkpoints()
+            ? ddpkit::detail::cat(
+                  "checkpoint ", (out / "checkpoints" / "last.pt").string(),
+                  " holds it: run again with resume(\"auto\") / --resume "
+                  "auto to continue")
+            : std::string("no checkpoint written (checkpoints are off)"));
+    progress.line(msg);
+    throw Interrupted(msg, sig);
+  };
   torch::nn::Module& module = parallel::as_module(engine_.module());
   const int epochs = options_.epochs();
   data::Loader loader(train, train_transform, lo);
@@ -711,29 +758,25 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
           hooks.on_step_end(StepInfo{epoch, step, d.loss});
         }
       }
+      // A signal stops the run here, on the batch every rank agrees on,
+      // after a checkpoint; so may the periodic checkpoint.
+      const int stop_signal = join ? 0 : agreed_signal();
       const auto every = options_.checkpoint_every_n_steps();
-      if (every > 0 && options_.checkpoints() && step < batches.size() &&
-          global_step_ / every > last_checkpoint_step_ / every) {
-        // Every rank decides alike (same step counts): gather what a resume
-        // needs, rank 0 writes it, then the TensorBoard events so far.
-        auto sums = torch::tensor({loss_sum, correct, count}, torch::kFloat64)
-                        .to(group_.device());
-        if (multi) dist::all_reduce(group_, sums);
-        auto rng = at::detail::getDefaultCPUGenerator().get_state();
-        torch::Tensor states = rng.unsqueeze(0);
-        if (multi) {
-          states =
-              torch::stack(dist::all_gather(group_, rng.to(group_.device())))
-                  .cpu();
-        }
-        if (is_main()) {
-          mid_ = {static_cast<std::int64_t>(step), sums.cpu(), states};
-          save_checkpoint(out / "checkpoints" / "last.pt", epoch,
-                          result.history, best, best_epoch, bad_epochs);
-          mid_ = {};
-          if (tb) tb->flush();
-        }
+      const bool periodic =
+          every > 0 && step < batches.size() &&
+          global_step_ / every > last_checkpoint_step_ / every;
+      if (options_.checkpoints() && (periodic || stop_signal != 0)) {
+        save_mid_epoch(
+            out, epoch, step,
+            torch::tensor({loss_sum, correct, count}, torch::kFloat64),
+            result.history, best, best_epoch, bad_epochs);
+        if (tb && is_main()) tb->flush();
         last_checkpoint_step_ = global_step_;
+      }
+      if (stop_signal != 0) {
+        interrupted(stop_signal, ddpkit::detail::cat("after batch ", step,
+                                                     " of ", batches.size(),
+                                                     " in epoch ", epoch + 1));
       }
     }
     // Training metrics over every rank's samples.
@@ -822,6 +865,9 @@ FitResult DDPKIT_TRAINER::fit(const Dataset& train, const Dataset& val,
       }
     }
     if constexpr (requires { hooks.on_epoch_end(m); }) hooks.on_epoch_end(m);
+    if (const int sig = agreed_signal()) {
+      interrupted(sig, ddpkit::detail::cat("after epoch ", m.epoch));
+    }
     if (options_.patience() > 0 && bad_epochs >= options_.patience()) {
       result.stopped_early = true;
       progress.line(ddpkit::detail::cat("early stopping after epoch ", m.epoch,
