@@ -84,6 +84,41 @@ static_assert(
 static_assert(std::is_class_v<SingleDeviceTrainer<Holder>>);
 static_assert(std::is_class_v<DataParallelTrainer<nn::ResNet>>);
 
+// Callbacks: an event handled, named by its type; state only complete.
+namespace callback_checks {
+struct OnEpochEnd {
+  void on(const train::EpochEnd&) {}
+};
+struct OldStyle {  // hooks under names fit never calls
+  void on_epoch_end(const train::EpochMetrics&) {}
+};
+struct Stateful {
+  static constexpr const char* name = "stateful";
+  void on(const train::BatchEnd&) {}
+  c10::IValue state() const {
+    return 1;
+  }
+  void load_state(const c10::IValue&) {}
+};
+struct HalfStateful {  // state() without name and load_state
+  void on(const train::BatchEnd&) {}
+  c10::IValue state() const {
+    return 1;
+  }
+};
+static_assert(train::callback<OnEpochEnd>);
+static_assert(train::callback<OnEpochEnd&>);
+static_assert(!train::callback<OldStyle>);
+static_assert(!train::callback<int>);
+static_assert(train::callbacks<>);
+static_assert(!train::callbacks<OnEpochEnd, OldStyle&>);
+static_assert(train::stateful_callback<Stateful>);
+static_assert(!train::stateful_callback<OnEpochEnd>);
+static_assert(train::state_complete<OnEpochEnd>);
+static_assert(train::state_complete<Stateful>);
+static_assert(!train::state_complete<HalfStateful>);
+}  // namespace callback_checks
+
 TEST_SUITE("train") {
   TEST_CASE("a user LR-scaling policy plugs in") {
     CHECK(train::lr_at<MyScaling>(0.1, 3, {}, 0, 1) == doctest::Approx(0.2));

@@ -20,3 +20,6 @@
 #define t t_engine_without_zero_grad
 #include "engine_without_zero_grad.cpp"
 #undef t
+#define t t_misspelt_callback
+#include "misspelt_callback.cpp"
+#undef t

@@ -292,8 +292,8 @@ DDPKIT_WORKER(trainer_mid_epoch) {
   const char* every = std::getenv("T_EVERY");
   struct StopAt {
     int at, signal_at, rank;
-    void on_step_end(const train::StepInfo& s) {
-      const int batch = s.epoch * 4 + static_cast<int>(s.step);
+    void on(const train::BatchEnd& e) {
+      const int batch = e.state.epoch * 4 + static_cast<int>(e.state.step);
       if (at > 0 && batch == at) {
         throw std::runtime_error("stopped as planned");
       }
@@ -1004,18 +1004,60 @@ class UnevenSampling : public data::detail::IndexCursor<UnevenSampling> {
   int rank_;
 };
 
-struct CountingHooks {
-  int epochs_begun = 0, steps = 0, epochs_ended = 0;
-  void on_epoch_begin(int) {
-    ++epochs_begun;
+/// Records the events it gets, one letter each: F fit begin, E epoch
+/// begin, b batch end, s step end, e epoch end, f fit end; and checks what
+/// the ready-made callbacks have done by the time the user's see an event.
+struct EventLog {
+  std::string events;
+  void on(const train::FitBegin&) {
+    events += 'F';
   }
-  void on_step_end(const train::StepInfo& s) {
-    ++steps;
-    CHECK(s.loss > 0);
+  void on(const train::EpochBegin&) {
+    events += 'E';
   }
-  void on_epoch_end(const train::EpochMetrics& m) {
-    ++epochs_ended;
-    CHECK(m.epoch == epochs_ended);
+  void on(const train::BatchEnd& e) {
+    events += 'b';
+    CHECK(e.loss > 0);
+  }
+  void on(const train::StepEnd&) {
+    events += 's';
+  }
+  void on(const train::EpochEnd& e) {
+    events += 'e';
+    CHECK(e.metrics.epoch == e.state.epoch + 1);
+    CHECK(e.state.history.back().epoch == e.metrics.epoch);
+    // ModelCheckpoint came first: last.pt holds this epoch.
+    auto archive =
+        train::open_checkpoint(e.state.out / "checkpoints" / "last.pt");
+    c10::IValue done;
+    archive.read("epochs_done", done);
+    CHECK(done.toInt() == e.metrics.epoch);
+  }
+  void on(const train::FitEnd&) {
+    events += 'f';
+  }
+};
+
+/// Counts the batches it has seen over the run, resumes included (its
+/// count is saved in checkpoints); stops the run after epoch `stop_after`.
+struct BatchCounter {
+  static constexpr const char* name = "batch_counter";
+  std::int64_t batches = 0;
+  int stop_after = 0;
+  void on(const train::BatchEnd&) {
+    ++batches;
+  }
+  void on(const train::EpochEnd& e) {
+    if (e.metrics.epoch == stop_after) {
+      e.state.stop = true;
+      e.state.stop_reason = "enough";
+    }
+  }
+  c10::IValue state() const {
+    return batches;
+  }
+  void load_state(const c10::IValue& v) {
+    batches = v.toInt();
   }
 };
 
@@ -1163,8 +1205,10 @@ TEST_SUITE("train") {
     auto d = make_data(48, 10);
     struct RaiseAt {
       int at;
-      void on_step_end(const train::StepInfo& s) {
-        if (s.epoch == 1 && static_cast<int>(s.step) == at) ::raise(SIGINT);
+      void on(const train::BatchEnd& e) {
+        if (e.state.epoch == 1 && static_cast<int>(e.state.step) == at) {
+          ::raise(SIGINT);
+        }
       }
     };
     TempDir out;
@@ -1212,17 +1256,70 @@ TEST_SUITE("train") {
     ::sigaction(SIGINT, &before, nullptr);
   }
 
-  TEST_CASE("user hooks are called at epoch begin, step end and epoch end") {
+  TEST_CASE(
+      "callbacks get every event in order, after the ready-made ones; "
+      "accumulation makes one step of several batches") {
+    auto d = make_data(48, 10);
+    for (int accumulate : {1, 2}) {
+      CAPTURE(accumulate);
+      TempDir out;
+      SingleDeviceTrainer<TinyNet> trainer(TinyNet(), adam(),
+                                           base_options(out.path(), 2)
+                                               .verbose(false)
+                                               .accumulate(accumulate));
+      EventLog log;
+      trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                  data::LoaderOptions(16).workers(0), log);
+      // 48 samples, batches of 16: 3 batches per epoch.
+      CHECK(log.events == (accumulate == 1 ? "FEbsbsbseEbsbsbsef"
+                                           : "FEbbsbseEbbsbsef"));
+    }
+  }
+
+  TEST_CASE(
+      "a callback's state is saved in checkpoints and restored on resume; a "
+      "callback can stop the run; two with one name are refused") {
     auto d = make_data(48, 10);
     TempDir out;
-    SingleDeviceTrainer<TinyNet> trainer(
-        TinyNet(), adam(), base_options(out.path(), 2).verbose(false));
-    CountingHooks hooks;
-    trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
-                data::LoaderOptions(16).workers(0), hooks);
-    CHECK(hooks.epochs_begun == 2);
-    CHECK(hooks.steps == 6);
-    CHECK(hooks.epochs_ended == 2);
+    auto trainer = [&](int epochs, const std::string& resume) {
+      return SingleDeviceTrainer<TinyNet>(TinyNet(), adam(),
+                                          base_options(out.path(), epochs)
+                                              .verbose(false)
+                                              .resume(resume));
+    };
+    BatchCounter first;
+    trainer(2, "").fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                       data::LoaderOptions(16).workers(0), first);
+    CHECK(first.batches == 6);
+    BatchCounter resumed;
+    auto r = trainer(4, "auto").fit(d.train, d.val, data::CifarEval{},
+                                    data::CifarEval{},
+                                    data::LoaderOptions(16).workers(0),
+                                    resumed);
+    CHECK(r.epochs_run == 4);
+    CHECK(resumed.batches == 12);  // 6 before the resume, 6 after
+    // Stopping.
+    TempDir out2;
+    BatchCounter stopper;
+    stopper.stop_after = 1;
+    auto r2 = SingleDeviceTrainer<TinyNet>(
+                  TinyNet(), adam(),
+                  base_options(out2.path(), 4).verbose(false))
+                  .fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                       data::LoaderOptions(16).workers(0), stopper);
+    CHECK(r2.epochs_run == 1);
+    CHECK(r2.stopped_early);
+    // Two callbacks, one name.
+    BatchCounter a, b;
+    TempDir out3;
+    CHECK_THROWS_WITH_AS(
+        SingleDeviceTrainer<TinyNet>(
+            TinyNet(), adam(), base_options(out3.path(), 1).verbose(false))
+            .fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                 data::LoaderOptions(16).workers(0), a, b),
+        doctest::Contains("two callbacks of one fit have the name "
+                          "'batch_counter'"),
+        UsageError);
   }
 
 }  // TEST_SUITE("train")

@@ -1,15 +1,24 @@
 // Trainer<Model, ParallelPolicy, SamplerPolicy, BNPolicy, LRScaling,
 // Reduction>: the training loop of both reference recipes, composed at
-// compile time. Declarations and documentation here; bodies in
-// trainer_impl.hpp.
+// compile time. `fit` is a short loop over events; what happens at them
+// (early stopping, checkpoints, progress, metrics files, TensorBoard, the
+// user's own) are callbacks (callbacks.hpp).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 #include <torch/torch.h>
 
@@ -22,6 +31,7 @@
 #include "ddpkit/parallel/ddp.hpp"
 #include "ddpkit/parallel/single_device.hpp"
 #include "ddpkit/train/amp.hpp"
+#include "ddpkit/train/callbacks.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/clip.hpp"
 #include "ddpkit/train/lr.hpp"
@@ -43,12 +53,6 @@ enum class UnevenInputs {
   /// gradient all-reduces with zeros until every rank is done; the last
   /// rank to finish broadcasts its model (see BasicDDP::engine::join_round).
   join,
-};
-
-/// The validation number that ranks checkpoints for `keep_best`.
-enum class BestMetric {
-  val_acc,   ///< higher is better (default; early stopping always uses it)
-  val_loss,  ///< lower is better
 };
 
 struct TrainerOptions {
@@ -154,16 +158,6 @@ struct EvalResult {
   int64_t local_count = 0;  ///< of those, the samples this rank evaluated
 };
 
-/// Information handed to user hooks.
-struct StepInfo {
-  int epoch;
-  std::size_t step;
-  double loss;
-};
-
-/// No hooks: every call compiles away.
-struct NoHooks {};
-
 /// Makes the optimizer over the model's parameters (after they are on the
 /// device and, for DDP, broadcast from rank 0).
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
@@ -211,7 +205,7 @@ requires trainable_model<Model> && parallel_policy<Parallel> &&
     reduction_policy<Reduction> &&
     sampler_matches_parallel_policy<Parallel, Sampler> &&
     bn_matches_parallel_policy<Parallel, BN>
-class Trainer {
+class Trainer : private CheckpointWriter {
  public:
   using model_type = Model;
   using parallel_type = Parallel;
@@ -221,23 +215,161 @@ class Trainer {
   Trainer(Model model, OptimizerFactory make_optimizer, TrainerOptions options,
           dist::Group group = {},
           typename Parallel::options_type parallel_options = {},
-          std::optional<torch::Device> device = std::nullopt);
+          std::optional<torch::Device> device = std::nullopt)
+      : group_(std::move(group)),
+        options_(std::move(options)),
+        device_(device.value_or(default_device(group_))),
+        engine_(prepare(std::move(model), group_), group_,
+                std::move(parallel_options), device_) {
+    using ddpkit::detail::cat;
+    if (options_.epochs() < 1) {
+      throw UsageError(cat("epochs ", options_.epochs(), " must be >= 1"));
+    }
+    if (!(options_.lr() > 0)) {
+      throw UsageError(cat("lr ", options_.lr(), " must be > 0"));
+    }
+    if (options_.max_steps() < 0) {
+      throw UsageError(
+          cat("max_steps ", options_.max_steps(), " must be >= 0"));
+    }
+    if (options_.checkpoint_every_n_steps() < 0) {
+      throw UsageError(cat("checkpoint_every_n_steps ",
+                           options_.checkpoint_every_n_steps(),
+                           " must be >= 0 (0: at epoch ends only)"));
+    }
+    if (options_.checkpoint_every_n_steps() > 0 &&
+        options_.uneven_inputs() == UnevenInputs::join) {
+      throw UsageError(
+          "checkpoint_every_n_steps cannot be combined with "
+          "uneven_inputs(join): ranks with different batch counts cannot agree "
+          "on a step to checkpoint at");
+    }
+    if (options_.keep_best() < 0) {
+      throw UsageError(cat("keep_best ", options_.keep_best(),
+                           " must be >= 0 (0: no best checkpoints)"));
+    }
+    if (options_.log_every_n_steps() < 0) {
+      throw UsageError(cat("log_every_n_steps ", options_.log_every_n_steps(),
+                           " must be >= 0 (0: never)"));
+    }
+    if (options_.accumulate() < 1) {
+      throw UsageError(cat("accumulate ", options_.accumulate(),
+                           " must be >= 1 (batches per optimizer step)"));
+    }
+    if (options_.accumulate() > 1 &&
+        options_.uneven_inputs() == UnevenInputs::join) {
+      throw UsageError(cat("accumulate ", options_.accumulate(),
+                           " cannot be combined with uneven_inputs(join): a "
+                           "rank that has run out cannot tell which of the "
+                           "others' batches communicate"));
+    }
+    options_.clip().check();
+    optimizer_ =
+        make_optimizer(parallel::as_module(engine_.module()).parameters());
+    if (!optimizer_) throw UsageError("the optimizer factory returned nothing");
+  }
 
   /// Trains for `options.epochs()` epochs (from a checkpoint when resuming),
   /// evaluating on `val` after each; rank 0 writes metrics, checkpoints and
-  /// the summary. `hooks` may define `on_epoch_begin(int)`,
-  /// `on_step_end(const StepInfo&)`, `on_epoch_end(const EpochMetrics&)`.
+  /// the summary. `callbacks` (see callbacks.hpp) get every event after the
+  /// ready-made ones, in the order given; each must satisfy `callback`.
+  /// Throws `Interrupted` after a checkpoint when SIGTERM/SIGINT arrives
+  /// (`TrainerOptions::checkpoint_on_signal`).
   template <class Dataset, class TrainTransform, class EvalTransform,
-            class Hooks = NoHooks>
-  FitResult fit(const Dataset& train, const Dataset& val,
-                TrainTransform train_transform, EvalTransform eval_transform,
-                data::LoaderOptions loader_options, Hooks&& hooks = {});
+            class... Callbacks>
+  requires callbacks<Callbacks...> &&
+      (state_complete<std::remove_cvref_t<Callbacks>>&&...)FitResult
+      fit(const Dataset& train, const Dataset& val,
+          TrainTransform train_transform, EvalTransform eval_transform,
+          data::LoaderOptions lo, Callbacks&&... callbacks) {
+    const auto fit_start = std::chrono::steady_clock::now();
+    lo.seed(options_.seed()).rank(rank());
+    std::tuple builtin{
+        EarlyStopping(options_.patience()),
+        ModelCheckpoint(ModelCheckpointOptions()
+                            .enabled(options_.checkpoints())
+                            .keep_best(options_.keep_best())
+                            .best_metric(options_.best_metric())
+                            .every_n_steps(options_.checkpoint_every_n_steps())
+                            .weights_pattern(options_.weights_pattern())),
+        MetricsFiles{},
+        TensorBoardLog(options_.tensorboard(), options_.log_every_n_steps(),
+                       hparams_markdown(lo)),
+        ProgressDisplay(is_main() && options_.verbose())};
+    auto emit = [&](const auto& event) {
+      std::apply([&](auto&... b) { train::emit(event, b..., callbacks...); },
+                 builtin);
+    };
+    FitScope scope(*this, callbacks...);
+    FitState& s = scope.state;
+    begin_fit(s, train.size());
+    SignalFlag signals(options_.checkpoint_on_signal());
+    Sampler sampler(train.size(),
+                    data::ShardSpec{.rank = rank(),
+                                    .world_size = s.world,
+                                    .seed = options_.seed(),
+                                    .drop_last = options_.drop_last()});
+    data::Loader loader(train, train_transform, lo);
+    emit(FitBegin{s});
+    for (; s.epoch < s.epochs && !s.stop; ++s.epoch) {
+      auto batches = begin_epoch(s, sampler, loader, lo);
+      emit(EpochBegin{s});
+      std::vector<data::Batch> step;  // one optimizer step's batches
+      while (next_step(batches, step)) {
+        train_step(step, s, emit);
+        emit(StepEnd{s});
+        if (const int sig = join_ ? 0 : agreed_signal(signals)) {
+          stop_on_signal(s, sig, /*mid_epoch=*/true, emit);
+        }
+      }
+      const EpochMetrics m = end_epoch(s, val, eval_transform, lo);
+      emit(EpochEnd{s, m});
+      if (const int sig = agreed_signal(signals)) {
+        stop_on_signal(s, sig, /*mid_epoch=*/false, emit);
+      }
+    }
+    emit(FitEnd{s});
+    return finish_fit(s, fit_start);
+  }
 
   /// Loss and accuracy over `set`, computed as `Reduction` says and
   /// identical on every rank.
   template <class Dataset, class EvalTransform>
   EvalResult evaluate(const Dataset& set, EvalTransform eval_transform,
-                      data::LoaderOptions loader_options);
+                      data::LoaderOptions lo) {
+    lo.drop_last(false);
+    lo.rank(group_.rank());
+    const std::size_t n = set.size();
+    torch::Tensor sums;
+    int64_t local = 0;
+    const bool distributed = Parallel::is_multi_process && group_.size() > 1;
+    if (distributed && Reduction::shards_evaluation) {
+      data::DistributedSampling shard(
+          n, {.rank = group_.rank(), .world_size = group_.size()},
+          data::DistributedSamplingOptions().shuffle(false).evaluation(true));
+      sums = eval_sums(set, eval_transform, lo, shard.indices());
+      local = static_cast<int64_t>(sums[2].template item<double>());
+      sums = sums.to(group_.device());
+      dist::all_reduce(group_, sums);
+    } else {
+      data::SequentialSampling all(n);
+      sums = (!distributed || is_main())
+                 ? eval_sums(set, eval_transform, lo, all.indices())
+                 : torch::zeros({3}, torch::kFloat64);
+      local = static_cast<int64_t>(sums[2].template item<double>());
+      sums = sums.to(group_.device());
+      if (distributed) dist::broadcast(group_, sums, 0);
+    }
+    sums = sums.cpu();
+    EvalResult r;
+    r.count = static_cast<int64_t>(sums[2].template item<double>());
+    r.local_count = local;
+    if (r.count > 0) {
+      r.loss = sums[0].template item<double>() / r.count;
+      r.accuracy = sums[1].template item<double>() / r.count;
+    }
+    return r;
+  }
 
   Model& model() {
     return engine_.module();
@@ -264,30 +396,703 @@ class Trainer {
 
   /// Rank 0 writes OUT/summary.json (fit does this itself; call it again to
   /// add a test-set result).
-  void write_summary(const FitResult& r, const EvalResult* test) const;
+  void write_summary(const FitResult& r, const EvalResult* test) const {
+    JsonObject j;
+    j.add("example", options_.run_name())
+        .add("mode", std::string(Parallel::name))
+        .add("world_size", Parallel::is_multi_process ? group_.size() : 1)
+        .add("sampler",
+             std::string(Parallel::is_multi_process ? "distributed" : "local"))
+        .add("bn", std::string(BN::name))
+        .add("lr_scaling", std::string(LRScaling::name))
+        .add("evaluation", std::string(Reduction::name))
+        .add("epochs_run", r.epochs_run)
+        .add("stopped_early", r.stopped_early)
+        .add("best_epoch", r.best_epoch)
+        .add("best_val_acc", r.best_val_acc)
+        .add("final_val_acc",
+             r.history.empty() ? 0.0 : r.history.back().val_acc);
+    if (test) j.add("test_acc", test->accuracy).add("test_loss", test->loss);
+    if constexpr (requires { engine_.comm_name(); }) {
+      j.add("comm", engine_.comm_name())
+          .add("gradient_bytes_per_step",
+               static_cast<double>(engine_.last_step_bytes()));
+    }
+    // Over the epochs with a train/val split (older checkpoints' rows have
+    // none: NaN).
+    double images = 0, seconds = 0, train_seconds = 0;
+    for (const auto& m : r.history) {
+      if (!std::isfinite(m.train_seconds)) continue;
+      images += m.epoch_images_per_second * m.seconds;
+      seconds += m.seconds;
+      train_seconds += m.train_seconds;
+    }
+    j.add("total_seconds", r.total_seconds)
+        .add("train_images_per_second",
+             train_seconds > 0 ? images / train_seconds : 0.0)
+        .add("epoch_images_per_second", seconds > 0 ? images / seconds : 0.0);
+    if (options_.accumulate() > 1) j.add("accumulate", options_.accumulate());
+    if (options_.keep_best() != 1 ||
+        options_.best_metric() != BestMetric::val_acc) {
+      j.add("keep_best", options_.keep_best())
+          .add("best_metric",
+               std::string(options_.best_metric() == BestMetric::val_acc
+                               ? "val_acc"
+                               : "val_loss"));
+    }
+    if (options_.clip().max_norm() > 0) {
+      j.add("clip_grad_norm", options_.clip().max_norm())
+          .add("clip_norm_type", options_.clip().norm_type());
+    }
+    if (options_.clip().max_value() > 0) {
+      j.add("clip_grad_value", options_.clip().max_value());
+    }
+    ddpkit::detail::write_atomically(
+        std::filesystem::path(options_.out_dir()) / "summary.json", j.str());
+  }
 
  private:
-  void save_checkpoint(const std::filesystem::path& path, int epochs_done,
-                       const std::vector<EpochMetrics>& history, double best,
-                       int best_epoch, int bad_epochs);
-  int try_resume(std::vector<EpochMetrics>& history, double& best,
-                 int& best_epoch, int& bad_epochs);
-  std::string hparams_markdown(const data::LoaderOptions& lo) const;
-  void save_mid_epoch(const std::filesystem::path& out, int epoch,
-                      std::size_t batches_done, const torch::Tensor& sums,
-                      const std::vector<EpochMetrics>& history, double best,
-                      int best_epoch, int bad_epochs);
-  void read_mid_epoch(const Checkpoint& archive,
-                      const std::filesystem::path& path);
-  void check_resume_settings(const Checkpoint& archive,
-                             const std::filesystem::path& path);
-  void keep_best_checkpoints(const std::filesystem::path& dir,
-                             const std::vector<EpochMetrics>& history,
-                             double best, int best_epoch, int bad_epochs);
+  using clock = std::chrono::steady_clock;
+  static constexpr bool can_join = requires(engine_type & e) {
+    e.join_round(true);
+  };
+
+  /// A stateful callback as the checkpoint sees it.
+  struct CallbackState {
+    std::string key;  ///< "callbacks/<name>"
+    std::function<c10::IValue()> save;
+    std::function<void(const c10::IValue&)> load;
+  };
+
+  /// One fit's state, and the Trainer's view of it and of the callbacks'
+  /// states, for as long as the fit runs (exceptions included).
+  struct FitScope {
+    template <class... Cs>
+    FitScope(Trainer& t, Cs&... cs) : trainer(t) {
+      (add(cs), ...);
+      t.fit_ = &state;
+    }
+    ~FitScope() {
+      trainer.fit_ = nullptr;
+      trainer.callback_states_.clear();
+    }
+    FitScope(const FitScope&) = delete;
+    FitScope& operator=(const FitScope&) = delete;
+
+    template <class C>
+    void add(C& c) {
+      if constexpr (stateful_callback<std::remove_cvref_t<C>>) {
+        std::string key =
+            "callbacks/" + std::string(std::remove_cvref_t<C>::name);
+        for (const auto& other : trainer.callback_states_) {
+          if (other.key == key) {
+            throw UsageError(ddpkit::detail::cat(
+                "two callbacks of one fit have the name '",
+                std::remove_cvref_t<C>::name,
+                "'; their states would overwrite each other in checkpoints"));
+          }
+        }
+        trainer.callback_states_.push_back(
+            {std::move(key), [&c] { return c10::IValue(c.state()); },
+             [&c](const c10::IValue& v) { c.load_state(v); }});
+      }
+    }
+
+    Trainer& trainer;
+    FitState state;
+  };
+
+  int rank() const {
+    return Parallel::is_multi_process ? group_.rank() : 0;
+  }
+  bool multi() const {
+    return Parallel::is_multi_process && group_.size() > 1;
+  }
+
+  /// Checks what must hold before training (a writable output folder, the
+  /// same dataset on every rank) and resumes.
+  void begin_fit(FitState& s, std::size_t train_size) {
+    namespace fs = std::filesystem;
+    using ddpkit::detail::cat;
+    s.out = options_.out_dir();
+    s.is_main = is_main();
+    s.world = Parallel::is_multi_process ? group_.size() : 1;
+    s.epochs = options_.epochs();
+    s.module = &parallel::as_module(engine_.module());
+    s.checkpoints = this;
+    if (is_main()) {
+      std::error_code ec;
+      fs::create_directories(s.out, ec);
+      if (ec || access(s.out.c_str(), W_OK) != 0) {
+        throw UsageError(
+            cat("output folder ", s.out.string(), " is not writable"));
+      }
+    }
+    join_ = multi() && options_.uneven_inputs() == UnevenInputs::join;
+    if (join_ && !can_join) {
+      throw UsageError(
+          "uneven_inputs(join) needs a parallel policy whose engine has "
+          "join_round (DDP's has); this policy's engine has none");
+    }
+    if (multi()) {
+      // Ranks holding different datasets would deadlock later: say so now.
+      auto sizes =
+          dist::all_gather_value(group_, static_cast<int64_t>(train_size));
+      for (int r = 0; r < s.world; ++r) {
+        if (sizes[r] != sizes[0]) {
+          throw UsageError(cat("rank ", r, " has ", sizes[r],
+                               " training samples but rank 0 has ", sizes[0],
+                               "; every rank must read the same dataset"));
+        }
+      }
+    }
+    s.epoch = try_resume(s);
+    s.last_checkpoint_step = s.global_step;
+  }
+
+  /// Sets the epoch's lr and seeds, and starts its batches (where a
+  /// mid-epoch checkpoint stopped, when resuming from one).
+  template <class Loader>
+  auto begin_epoch(FitState& s, Sampler& sampler, const Loader& loader,
+                   const data::LoaderOptions& lo) {
+    s.epoch_start = clock::now();
+    s.lr = lr_at<LRScaling>(options_.lr(), s.world, options_.schedule(),
+                            s.epoch, s.epochs);
+    set_lr(*optimizer_, s.lr);
+    // Dropout and other in-model randomness: a function of (seed, epoch,
+    // rank) alone, so a resumed run draws exactly what the original did.
+    torch::manual_seed(options_.seed() * 1000003ull + s.epoch * 7919ull +
+                       rank());
+    sampler.set_epoch(static_cast<std::size_t>(s.epoch));
+    std::vector<std::size_t> indices = sampler.indices();
+    if (options_.max_steps() > 0) {
+      auto cap =
+          static_cast<std::size_t>(options_.max_steps()) * lo.batch_size();
+      if (indices.size() > cap) indices.resize(cap);
+    }
+    s.module->train();
+    const auto first = static_cast<std::size_t>(mid_.batches_done);
+    auto batches =
+        loader.epoch(indices, static_cast<std::size_t>(s.epoch), first);
+    if (multi() && !join_) {
+      // Uneven inputs would leave the ranks with more batches waiting in a
+      // gradient all-reduce nobody else joins: refuse before the epoch.
+      auto counts =
+          dist::all_gather_value(group_, static_cast<int64_t>(batches.size()));
+      for (int r = 0; r < s.world; ++r) {
+        if (counts[r] != counts[0]) {
+          throw UsageError(ddpkit::detail::cat(
+              "epoch ", s.epoch + 1, ": rank ", r, " has ", counts[r],
+              " batches but rank 0 has ", counts[0],
+              " (uneven inputs would hang DDP); use a sampler that gives "
+              "every rank the same number of samples, e.g. "
+              "DistributedSampling"));
+        }
+      }
+    }
+    s.steps = batches.size();
+    s.step = 0;
+    s.loss_sum = s.correct = s.count = s.resumed_images = 0;
+    if (first > 0) {
+      // A run resumed from a mid-epoch checkpoint: every rank's generator
+      // as it was there, and the metrics so far (all ranks' sums, counted
+      // once: on rank 0).
+      auto state = mid_.rng[rank()].contiguous().clone();
+      at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(state);
+      }
+      if (is_main()) {
+        s.loss_sum = mid_.sums[0].template item<double>();
+        s.correct = mid_.sums[1].template item<double>();
+        s.count = mid_.sums[2].template item<double>();
+      }
+      s.step = first;
+      s.resumed_images = mid_.sums[2].template item<double>();
+      mid_ = {};
+    }
+    return batches;
+  }
+
+  /// The next optimizer step's batches (up to `accumulate`); false when
+  /// the epoch is done. With join, every rank takes part in every round; a
+  /// rank without a batch shadows the others' all-reduces inside
+  /// join_round (accumulate is 1 then).
+  template <class Batches>
+  bool next_step(Batches& batches, std::vector<data::Batch>& step) {
+    step.clear();
+    if constexpr (can_join) {
+      if (join_) {
+        for (;;) {
+          auto batch = batches.next();
+          if (!engine_.join_round(batch.has_value())) return false;
+          if (batch) {
+            step.push_back(std::move(*batch));
+            return true;
+          }
+        }
+      }
+    }
+    const auto k = static_cast<std::size_t>(options_.accumulate());
+    while (step.size() < k) {
+      auto batch = batches.next();
+      if (!batch) break;
+      step.push_back(std::move(*batch));
+    }
+    return !step.empty();
+  }
+
+  /// Forward and backward over the step's batches (communicating on the
+  /// last only), then unscale, clip and step; `BatchEnd` per batch.
+  template <class Emit>
+  void train_step(const std::vector<data::Batch>& step, FitState& s,
+                  Emit& emit) {
+    // Each batch's loss counts by its share of the step's samples, so the
+    // summed gradients are those of the joined batch.
+    double step_samples = 0;
+    for (const auto& b : step) {
+      step_samples += static_cast<double>(b.target.size(0));
+    }
+    engine_.zero_grad();
+    const bool amp = options_.mixed_precision() && device_.is_cuda();
+    const double scale = amp ? scaler_.scale() : 1.0;
+    struct Done {
+      double loss, n, correct;
+    };
+    std::vector<Done> done;
+    for (std::size_t i = 0; i < step.size(); ++i) {
+      torch::Tensor x = step[i].data.to(device_, /*non_blocking=*/true);
+      torch::Tensor y = step[i].target.to(device_, /*non_blocking=*/true);
+      const double n = static_cast<double>(y.size(0));
+      const double weight = step.size() == 1 ? 1.0 : n / step_samples;
+      // Loss as backpropagated: weighted, and scaled under AMP.
+      const double factor = weight * scale;
+      auto run = [&] {
+        if (amp) {
+          ddpkit::compat::AutocastGuard autocast(true, torch::kHalf);
+          return engine_.forward_backward(
+              x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
+                return loss_fn_(a.to(torch::kFloat32), b) * factor;
+              });
+        }
+        if (factor == 1.0) return engine_.forward_backward(x, y, loss_fn_);
+        return engine_.forward_backward(
+            x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
+              return loss_fn_(a, b) * factor;
+            });
+      };
+      parallel::StepOutput o;
+      if (i + 1 < step.size()) {
+        [[maybe_unused]] auto local_only = engine_.no_sync();  // sync last
+        o = run();
+      } else {
+        o = run();
+      }
+      const double loss = factor == 1.0
+                              ? o.loss.template item<double>()
+                              : o.loss.template item<double>() / factor;
+      done.push_back(
+          {loss, n, o.output.argmax(1).eq(y).sum().template item<double>()});
+    }
+    // The gradients are averaged now; unscale (AMP: one fused pass, one
+    // host sync, and the step is skipped everywhere if any rank
+    // overflowed), clip, step.
+    if (!amp || engine_.unscale_and_check(scaler_)) {
+      if (options_.clip().enabled()) {
+        clip_gradients(s.module->parameters(), options_.clip());
+      }
+      optimizer_->step();
+    }
+    for (const Done& d : done) {  // after the step, batch by batch
+      s.loss_sum += d.loss * d.n;
+      s.correct += d.correct;
+      s.count += d.n;
+      ++s.step;
+      ++s.global_step;
+      emit(BatchEnd{s, d.loss});
+    }
+  }
+
+  /// Reduces the epoch's training metrics, evaluates, times, and keeps the
+  /// best; the new row is `s.history.back()`.
+  template <class Dataset, class EvalTransform>
+  EpochMetrics end_epoch(FitState& s, const Dataset& val,
+                         EvalTransform& eval_transform,
+                         const data::LoaderOptions& lo) {
+    // Training metrics over every rank's samples.
+    auto t = torch::tensor({s.loss_sum, s.correct, s.count}, torch::kFloat64)
+                 .to(group_.device());
+    if (multi()) dist::all_reduce(group_, t);
+    t = t.cpu();
+    const auto t_train = clock::now();
+    auto ev = evaluate(val, eval_transform, lo);
+    const auto t_val = clock::now();
+    EpochMetrics m;
+    m.epoch = s.epoch + 1;
+    const double total = t[2].template item<double>();
+    m.train_loss = total > 0 ? t[0].template item<double>() / total : 0;
+    m.train_acc = total > 0 ? t[1].template item<double>() / total : 0;
+    m.val_loss = ev.loss;
+    m.val_acc = ev.accuracy;
+    m.lr = s.lr;
+    const auto since = [](auto a, auto b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
+    m.seconds = since(s.epoch_start, clock::now());
+    m.train_seconds = since(s.epoch_start, t_train);
+    m.val_seconds = since(t_train, t_val);
+    if (multi()) {
+      // Every rank records rank 0's clock, so all hold identical numbers.
+      auto times = torch::tensor({m.seconds, m.train_seconds, m.val_seconds},
+                                 torch::kFloat64)
+                       .to(group_.device());
+      dist::broadcast(group_, times, 0);
+      times = times.cpu();
+      m.seconds = times[0].template item<double>();
+      m.train_seconds = times[1].template item<double>();
+      m.val_seconds = times[2].template item<double>();
+    }
+    // Images trained in this process's time (an epoch resumed mid-way
+    // counts only those after its checkpoint).
+    const double trained = total - s.resumed_images;
+    m.train_images_per_second =
+        m.train_seconds > 0 ? trained / m.train_seconds : 0;
+    m.epoch_images_per_second = m.seconds > 0 ? trained / m.seconds : 0;
+    s.history.push_back(m);
+    // Decisions use only values every rank holds, so every rank decides
+    // the same.
+    if (m.val_acc > s.best) {
+      s.best = m.val_acc;
+      s.best_epoch = m.epoch;
+      s.bad_epochs = 0;
+    } else {
+      ++s.bad_epochs;
+    }
+    return m;
+  }
+
+  /// The signal any rank has received (0: none), the same on every rank.
+  int agreed_signal(const SignalFlag& signals) const {
+    if (!signals.armed()) return 0;
+    return multi() ? dist::all_reduce_value(group_, signals.pending(),
+                                            dist::Reduce::max)
+                   : signals.pending();
+  }
+
+  /// Every rank: a checkpoint where the run stands (mid-epoch: written
+  /// here; at an epoch's end: ModelCheckpoint has written it), `FitEnd`,
+  /// then `Interrupted`.
+  template <class Emit>
+  [[noreturn]] void stop_on_signal(FitState& s, int sig, bool mid_epoch,
+                                   Emit& emit) {
+    using ddpkit::detail::cat;
+    const std::filesystem::path last = s.out / "checkpoints" / "last.pt";
+    if (mid_epoch && options_.checkpoints() &&
+        s.last_checkpoint_step != s.global_step) {
+      write_mid_epoch(last);
+      s.last_checkpoint_step = s.global_step;
+    }
+    s.signal = sig;
+    s.stop_reason =
+        cat("stopped by ", sig == SIGINT ? "SIGINT" : "SIGTERM", " ",
+            mid_epoch ? cat("after batch ", s.step, " of ", s.steps,
+                            " in epoch ", s.epoch + 1)
+                      : cat("after epoch ", s.epoch + 1),
+            " (global step ", s.global_step, "); ",
+            options_.checkpoints()
+                ? cat("checkpoint ", last.string(),
+                      " holds it: run again with resume(\"auto\") / --resume "
+                      "auto to continue")
+                : std::string("no checkpoint written (checkpoints are off)"));
+    emit(FitEnd{s});
+    throw Interrupted(s.stop_reason, sig);
+  }
+
+  FitResult finish_fit(FitState& s, clock::time_point fit_start) {
+    FitResult result;
+    result.best_val_acc = std::max(s.best, 0.0);
+    result.best_epoch = s.best_epoch;
+    result.stopped_early = s.stop;
+    result.epochs_run = static_cast<int>(s.history.size());
+    result.history = std::move(s.history);
+    result.total_seconds =
+        std::chrono::duration<double>(clock::now() - fit_start).count();
+    if (is_main()) write_summary(result, nullptr);
+    return result;
+  }
+
+  // CheckpointWriter, for ModelCheckpoint and stop_on_signal.
+  void write(const std::filesystem::path& path) override {
+    save_checkpoint(path, fit_->epoch + 1);
+  }
+  void write_mid_epoch(const std::filesystem::path& path) override {
+    // Every rank takes part: the metrics so far over all ranks, and every
+    // rank's generator, which only rank 0 writes.
+    const FitState& s = *fit_;
+    torch::Tensor all =
+        torch::tensor({s.loss_sum, s.correct, s.count}, torch::kFloat64)
+            .to(group_.device());
+    if (multi()) dist::all_reduce(group_, all);
+    auto rng = at::detail::getDefaultCPUGenerator().get_state();
+    torch::Tensor states = rng.unsqueeze(0);
+    if (multi()) {
+      states =
+          torch::stack(dist::all_gather(group_, rng.to(group_.device()))).cpu();
+    }
+    if (!is_main()) return;
+    mid_ = {static_cast<std::int64_t>(s.step), all.cpu(), states};
+    save_checkpoint(path, s.epoch);
+    mid_ = {};
+  }
+
   template <class Dataset, class EvalTransform>
   torch::Tensor eval_sums(const Dataset& set, EvalTransform& tf,
                           const data::LoaderOptions& lo,
-                          const std::vector<std::size_t>& indices);
+                          const std::vector<std::size_t>& indices) {
+    // [loss sum, correct, count] in double, so sums are exact enough to be
+    // identical whichever rank computed them.
+    auto sums = torch::zeros({3}, torch::kFloat64);
+    if (indices.empty()) return sums;
+    torch::NoGradGuard no_grad;
+    torch::nn::Module& module = parallel::as_module(engine_.module());
+    const bool was_training = module.is_training();
+    module.eval();
+    data::Loader loader(set, tf, lo);
+    auto epoch = loader.epoch(indices, 0);
+    while (auto batch = epoch.next()) {
+      torch::Tensor x = batch->data.to(device_);
+      torch::Tensor y = batch->target.to(device_);
+      torch::Tensor out = engine_.forward(x);
+      torch::Tensor loss = torch::nn::functional::cross_entropy(
+          out, y,
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(
+              torch::kSum));
+      sums[0] += loss.template item<double>();
+      sums[1] += out.argmax(1).eq(y).sum().template item<double>();
+      sums[2] += static_cast<double>(y.size(0));
+    }
+    module.train(was_training);
+    return sums;
+  }
+
+  void save_checkpoint(const std::filesystem::path& path, int epochs_done) {
+    // The one place a checkpoint is made: every component's state, one
+    // versioned dictionary (read back in try_resume).
+    const FitState& s = *fit_;
+    Checkpoint archive;
+    archive.write("format", std::string(kCheckpointFormat));
+    archive.write("format_version", kCheckpointVersion);
+    archive.write("torch_version", ddpkit::compat::torch_version());
+    archive.write(
+        "model",
+        c10::IValue(nn::state_dict(parallel::as_module(engine_.module()))));
+    archive.write_optimizer(*optimizer_);
+    archive.write("epochs_done", static_cast<int64_t>(epochs_done));
+    archive.write("best_val_acc", s.best);
+    archive.write("best_epoch", static_cast<int64_t>(s.best_epoch));
+    archive.write("bad_epochs", static_cast<int64_t>(s.bad_epochs));
+    archive.write("sampler_epoch", static_cast<int64_t>(epochs_done));
+    archive.write("world_size", static_cast<int64_t>(lr_world_size()));
+    archive.write("seed", static_cast<int64_t>(options_.seed()));
+    archive.write("loss_scale", scaler_.scale());
+    archive.write("global_step", s.global_step);
+    // Batches done in the unfinished epoch `epochs_done` (0: at an epoch's
+    // end), and what resuming there needs.
+    archive.write("epoch_batches_done", mid_.batches_done);
+    if (mid_.batches_done > 0) {
+      archive.write("epoch_sums", mid_.sums);
+      archive.write("rng_cpu_ranks", mid_.rng);
+    }
+    auto hist = torch::zeros(
+        {static_cast<int64_t>(s.history.size()), EpochMetrics::kFields},
+        torch::kFloat64);
+    for (std::size_t i = 0; i < s.history.size(); ++i) {
+      hist[static_cast<int64_t>(i)] = s.history[i].to_tensor();
+    }
+    archive.write("history", hist);
+    archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
+    for (const auto& c : callback_states_) archive.write(c.key, c.save());
+    atomic_save(archive, path);
+  }
+
+  int try_resume(FitState& s) {
+    namespace fs = std::filesystem;
+    using ddpkit::detail::cat;
+    const std::string& what = options_.resume();
+    if (what.empty()) return 0;
+    const fs::path path = what == "auto" ? fs::path(options_.out_dir()) /
+                                               "checkpoints" / "last.pt"
+                                         : fs::path(what);
+    // Rank 0 alone reads the file (only rank 0 writes checkpoints, so on a
+    // second host without a shared filesystem the others have none) and
+    // sends its bytes; every rank parses the same bytes, so every rank
+    // resumes, starts fresh or fails alike. Status: 0 fresh, 1 bytes follow,
+    // 2 rank 0's error message follows.
+    const bool multi = Parallel::is_multi_process && group_.size() > 1;
+    std::int64_t status = 0;
+    std::string bytes;
+    if (is_main()) {
+      try {
+        if (what != "auto" || fs::is_regular_file(path)) {
+          if (!fs::is_regular_file(path)) {
+            throw UsageError(
+                cat("checkpoint ", path.string(), " does not exist"));
+          }
+          bytes = ddpkit::detail::read_whole_file(
+              path, "checkpoint " + path.string());
+          status = 1;
+        }
+      } catch (const std::exception& e) {
+        if (!multi) throw;
+        status = 2;
+        bytes = e.what();
+      }
+    }
+    if (multi) {
+      status = dist::broadcast_value(group_, status, 0);
+      if (status != 0) bytes = dist::broadcast_string(group_, bytes, 0);
+    }
+    if (status == 2) throw UsageError(bytes);
+    if (status == 0) {
+      if (is_main() && options_.verbose()) {
+        std::printf("resume auto: no checkpoint at %s, starting fresh\n",
+                    path.c_str());
+      }
+      return 0;
+    }
+    auto archive = parse_checkpoint(bytes, path);
+    check_resume_settings(archive, path);
+    load_module_checked(parallel::as_module(engine_.module()), archive, "model",
+                        path);
+    load_optimizer_checked(*optimizer_, archive, path);
+    const auto state = read_resume_state(archive, path);
+    const int done = state.epochs_done;
+    s.best = state.best_val_acc;
+    s.best_epoch = state.best_epoch;
+    s.bad_epochs = state.bad_epochs;
+    scaler_.set_scale(state.loss_scale);
+    s.global_step = state.global_step;
+    s.history = state.history;
+    read_mid_epoch(archive, path);
+    for (auto& c : callback_states_) {
+      c10::IValue v;
+      if (archive.try_read(c.key, v)) c.load(v);
+    }
+    if (is_main() && options_.verbose()) {
+      std::printf("resumed from %s after epoch %d (best val_acc %.4f)\n",
+                  path.c_str(), done, s.best);
+    }
+    return done;
+  }
+
+  void read_mid_epoch(const Checkpoint& archive,
+                      const std::filesystem::path& path) {
+    using ddpkit::detail::cat;
+    mid_ = {};
+    c10::IValue v;
+    if (!archive.try_read("epoch_batches_done", v)) return;  // format 2
+    const int done = read_checkpoint_int(archive, "epoch_batches_done", path, 0,
+                                         std::numeric_limits<int>::max());
+    if (done == 0) return;
+    const std::int64_t world = lr_world_size();
+    c10::IValue sums, rng;
+    const bool ok = archive.try_read("epoch_sums", sums) && sums.isTensor() &&
+                    sums.toTensor().numel() == 3 &&
+                    archive.try_read("rng_cpu_ranks", rng) && rng.isTensor() &&
+                    rng.toTensor().dim() == 2 &&
+                    rng.toTensor().scalar_type() == torch::kUInt8;
+    if (!ok) {
+      throw UsageError(cat("checkpoint ", path.string(), " stops after batch ",
+                           done,
+                           " of an epoch but lacks 'epoch_sums' or "
+                           "'rng_cpu_ranks' (a damaged file?)"));
+    }
+    if (rng.toTensor().size(0) != world) {
+      throw UsageError(
+          cat("checkpoint ", path.string(),
+              " was written in the middle of an epoch "
+              "by ",
+              rng.toTensor().size(0),
+              " ranks; it can only be resumed by as "
+              "many (this run has ",
+              world,
+              "), since each rank's share of the epoch "
+              "depends on it. Resume from an epoch's end, or with ",
+              rng.toTensor().size(0), " ranks"));
+    }
+    mid_ = {done, sums.toTensor().to(torch::kFloat64).cpu(),
+            rng.toTensor().cpu()};
+    if (is_main() && options_.verbose()) {
+      std::printf("continuing epoch %lld at batch %d\n",
+                  static_cast<long long>(
+                      read_checkpoint_int(archive, "epochs_done", path, 0,
+                                          std::numeric_limits<int>::max())) +
+                      1,
+                  done + 1);
+    }
+  }
+
+  void check_resume_settings(const Checkpoint& archive,
+                             const std::filesystem::path& path) {
+    using ddpkit::detail::cat;
+    const std::int64_t world = Parallel::is_multi_process ? group_.size() : 1;
+    const auto seed = static_cast<std::int64_t>(options_.seed());
+    std::string changes;
+    c10::IValue v;
+    if (archive.try_read("world_size", v) && v.isInt() && v.toInt() != world) {
+      changes += cat("world size ", v.toInt(), " -> ", world,
+                     " (each rank's share of the data and the effective batch "
+                     "change)");
+    }
+    if (archive.try_read("seed", v) && v.isInt() && v.toInt() != seed) {
+      changes +=
+          cat(changes.empty() ? "" : "; ", "seed ", v.toInt(), " -> ", seed,
+              " (the sampler's order, augmentation and dropout draw "
+              "differently from the original run)");
+    }
+    if (changes.empty()) return;
+    if (!options_.resume_allow_changes()) {
+      throw UsageError(
+          cat("checkpoint ", path.string(),
+              " was written by a run with other settings: ", changes,
+              ". Resume with the original settings, or allow the "
+              "change (resume_allow_changes, "
+              "--resume-allow-changes)"));
+    }
+    if (is_main() && options_.verbose()) {
+      std::printf("resuming %s with changed settings: %s\n", path.c_str(),
+                  changes.c_str());
+    }
+  }
+
+  std::string hparams_markdown(const data::LoaderOptions& lo) const {
+    std::string md = "| setting | value |\n|---|---|\n";
+    auto row = [&](const std::string& k, const std::string& v) {
+      md += "| " + k + " | " + v + " |\n";
+    };
+    using detail::num;
+    row("run", options_.run_name());
+    row("mode", Parallel::name);
+    row("world_size", std::to_string(lr_world_size()));
+    row("bn", BN::name);
+    row("lr_scaling", LRScaling::name);
+    row("evaluation", Reduction::name);
+    row("epochs", std::to_string(options_.epochs()));
+    row("lr", num(options_.lr()));
+    row("batch_size_per_rank", std::to_string(lo.batch_size()));
+    row("accumulate", std::to_string(options_.accumulate()));
+    row("clip_grad_norm", num(options_.clip().max_norm()));
+    row("clip_grad_value", num(options_.clip().max_value()));
+    row("seed", std::to_string(options_.seed()));
+    row("max_steps", std::to_string(options_.max_steps()));
+    row("mixed_precision", options_.mixed_precision() ? "true" : "false");
+    if constexpr (requires { engine_.comm_name(); }) {
+      row("comm", engine_.comm_name());
+    }
+    row("torch", ddpkit::compat::torch_version());
+    return md;
+  }
 
   static Model prepare(Model model, const dist::Group& g) {
     BN::apply(parallel::as_module(model), g);
@@ -301,8 +1106,9 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   CrossEntropy loss_fn_;
   LossScaler scaler_;
-  std::int64_t global_step_ = 0;  ///< batches trained, resumes included
-  std::int64_t last_checkpoint_step_ = 0;
+  bool join_ = false;        ///< this fit runs uneven_inputs(join)
+  FitState* fit_ = nullptr;  ///< the fit running (for checkpoints)
+  std::vector<CallbackState> callback_states_;  ///< the fit's, by key
   /// Where an unfinished epoch stands: saved in mid-epoch checkpoints, and
   /// read from one until the resumed epoch starts.
   struct MidEpoch {
@@ -313,5 +1119,3 @@ class Trainer {
 };
 
 }  // namespace ddpkit::train
-
-#include "ddpkit/train/trainer_impl.hpp"

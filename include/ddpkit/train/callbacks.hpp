@@ -1,0 +1,409 @@
+// Callbacks: what happens at the training loop's boundaries. `Trainer::fit`
+// is a short loop that hands events (FitBegin, EpochBegin, BatchEnd,
+// StepEnd, EpochEnd, FitEnd) to a compile-time pack of callbacks: the
+// ready-made ones below (early stopping, checkpoints, progress, metrics
+// files, TensorBoard), then the user's.
+//
+// A callback is a class with `on(const Event&)` for the events it wants:
+// ```
+// struct PrintLoss {
+//   void on(const ddpkit::train::EpochEnd& e) {
+//     std::printf("epoch %d: %.4f\n", e.metrics.epoch, e.metrics.train_loss);
+//   }
+// };
+// trainer.fit(train, val, train_tf, eval_tf, loader_opts, PrintLoss{});
+// ```
+// The event is named by its type, so a misspelt event is a compile error,
+// and a class with no `on(...)` for any event fails the `callback` concept
+// where `fit` is called. A callback with state gives it a `name` and
+// `state()` / `load_state(v)`: it is saved in every checkpoint (under
+// "callbacks/<name>") and restored on resume.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <concepts>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/nn/state_dict.hpp"
+#include "ddpkit/train/metrics.hpp"
+#include "ddpkit/train/tensorboard.hpp"
+
+namespace ddpkit::train {
+
+/// Writes checkpoints for callbacks (the Trainer is one): the whole
+/// training state as one versioned dictionary, atomically.
+class CheckpointWriter {
+ public:
+  /// Rank 0 only, at an epoch's end (after `EpochEnd`'s bookkeeping).
+  virtual void write(const std::filesystem::path& path) = 0;
+  /// Every rank, at the same `StepEnd`: the state after `FitState::step`
+  /// batches of the running epoch (each rank's generator and the metrics
+  /// so far are gathered); rank 0 writes it.
+  virtual void write_mid_epoch(const std::filesystem::path& path) = 0;
+
+ protected:
+  ~CheckpointWriter() = default;
+};
+
+/// The validation number that ranks checkpoints for `keep_best`.
+enum class BestMetric {
+  val_acc,   ///< higher is better (default; early stopping always uses it)
+  val_loss,  ///< lower is better
+};
+
+/// Where a `fit` stands. Callbacks read it; `stop` and `stop_reason` are
+/// theirs to set.
+struct FitState {
+  std::filesystem::path out;     ///< the output folder
+  bool is_main = true;           ///< rank 0, the one that writes files
+  int world = 1;                 ///< ranks training together
+  int epochs = 0;                ///< epochs asked for
+  int epoch = 0;                 ///< the epoch running (0-based)
+  std::size_t step = 0;          ///< batches done in it, on this rank
+  std::size_t steps = 0;         ///< batches in it, on this rank
+  std::int64_t global_step = 0;  ///< batches over the run, resumes included
+  std::int64_t last_checkpoint_step = 0;  ///< `global_step` at the last one
+  double lr = 0;                          ///< this epoch's learning rate
+  /// This epoch so far, this rank (rank 0 also holds the other ranks'
+  /// batches from before a mid-epoch resume).
+  double loss_sum = 0, correct = 0, count = 0;
+  double resumed_images = 0;  ///< of `count`, trained before the resume
+  std::chrono::steady_clock::time_point epoch_start;
+  std::vector<EpochMetrics> history;  ///< the finished epochs
+  double best = -1;                   ///< best val_acc so far (-1: none)
+  int best_epoch = 0;                 ///< its epoch (1-based; 0: none)
+  int bad_epochs = 0;                 ///< epochs since it
+  bool stop = false;                  ///< no further epoch (set at `EpochEnd`)
+  std::string stop_reason;            ///< said at `FitEnd` (early stop, signal)
+  int signal = 0;                     ///< the signal that stopped the run, or 0
+  torch::nn::Module* module = nullptr;      ///< the model being trained
+  CheckpointWriter* checkpoints = nullptr;  ///< for checkpoint callbacks
+};
+
+/// After resuming, before the first epoch.
+struct FitBegin {
+  FitState& state;
+};
+/// The epoch's lr, sampler and batches are set (`state.steps`).
+struct EpochBegin {
+  FitState& state;
+};
+/// After each batch (its optimizer step taken): `loss` is this rank's
+/// batch mean.
+struct BatchEnd {
+  FitState& state;
+  double loss;
+};
+/// After each optimizer step and its batches' `BatchEnd`: every rank is at
+/// the same point (collectives allowed; with `uneven_inputs(join)` they are
+/// not, since ranks take different numbers of steps).
+struct StepEnd {
+  FitState& state;
+};
+/// After evaluation, `metrics` appended to `state.history`, best and
+/// bad epochs updated.
+struct EpochEnd {
+  FitState& state;
+  const EpochMetrics& metrics;
+};
+/// The last event: after the last epoch, early stopping, or a signal
+/// (`state.signal`; `fit` then throws `Interrupted`).
+struct FitEnd {
+  FitState& state;
+};
+
+template <class C, class Event>
+concept handles_event = requires(C& c, const Event& e) {
+  c.on(e);
+};
+
+/// A class that handles at least one event. One that handles none (a
+/// misspelt `on`, or hooks under other names) is refused.
+template <class C>
+concept handles_some_event = std::is_class_v<C> &&
+    (handles_event<C, FitBegin> || handles_event<C, EpochBegin> ||
+     handles_event<C, BatchEnd> || handles_event<C, StepEnd> ||
+     handles_event<C, EpochEnd> || handles_event<C, FitEnd>);
+
+/// What `fit` takes as a callback (by value or reference).
+template <class C>
+concept callback = handles_some_event<std::remove_cvref_t<C>>;
+
+/// Every one of `Cs` is a `callback`.
+template <class... Cs>
+concept callbacks = (callback<Cs> && ...);
+
+/// A callback whose state goes into checkpoints: `name` (unique among the
+/// callbacks of a fit), `state()` and `load_state(v)`.
+template <class C>
+concept stateful_callback = callback<C> &&
+    requires(C& c, const C& cc, const c10::IValue& v) {
+  { C::name } -> std::convertible_to<std::string_view>;
+  { cc.state() } -> std::convertible_to<c10::IValue>;
+  c.load_state(v);
+};
+
+/// Declaring `state()` without the rest of `stateful_callback` is an
+/// error, not a callback whose state is silently dropped.
+template <class C>
+concept state_complete = !requires(const C& c) {
+  c.state();
+}
+|| stateful_callback<C>;
+
+/// Hands `event` to every callback that handles it, in order.
+template <class Event, class... Cs>
+void emit(const Event& event, Cs&... cs) {
+  (
+      [&] {
+        if constexpr (handles_event<Cs, Event>) cs.on(event);
+      }(),
+      ...);
+}
+
+// --- Ready-made callbacks -------------------------------------------------
+
+/// Stops after `patience` epochs without a better validation accuracy
+/// (0: never).
+class EarlyStopping {
+ public:
+  explicit EarlyStopping(int patience) : patience_(patience) {}
+  void on(const EpochEnd& e) {
+    if (patience_ > 0 && e.state.bad_epochs >= patience_) {
+      e.state.stop = true;
+      e.state.stop_reason =
+          ddpkit::detail::cat("early stopping after epoch ", e.metrics.epoch,
+                              ": no better val_acc for ", patience_, " epochs");
+    }
+  }
+
+ private:
+  int patience_;
+};
+
+/// The epochs (1-based) of the `k` best rows of `history` by `metric`,
+/// best first; ties go to the earlier epoch, NaN ranks last.
+inline std::vector<int> best_epochs(const std::vector<EpochMetrics>& history,
+                                    BestMetric metric, int k) {
+  auto score = [&](const EpochMetrics& m) {
+    const double v = metric == BestMetric::val_acc ? m.val_acc : -m.val_loss;
+    return std::isnan(v) ? -std::numeric_limits<double>::infinity() : v;
+  };
+  std::vector<const EpochMetrics*> rows;
+  for (const auto& m : history) rows.push_back(&m);
+  std::stable_sort(rows.begin(), rows.end(),
+                   [&](auto* a, auto* b) { return score(*a) > score(*b); });
+  std::vector<int> epochs;
+  for (int i = 0; i < k && i < static_cast<int>(rows.size()); ++i) {
+    epochs.push_back(rows[i]->epoch);
+  }
+  return epochs;
+}
+
+/// What `ModelCheckpoint` writes.
+struct ModelCheckpointOptions {
+  /// checkpoints/last.pt at every epoch's end, and the best ones.
+  TORCH_ARG(bool, enabled) = true;
+  /// See `TrainerOptions::keep_best`.
+  TORCH_ARG(int, keep_best) = 1;
+  TORCH_ARG(BestMetric, best_metric) = BestMetric::val_acc;
+  /// See `TrainerOptions::checkpoint_every_n_steps`.
+  TORCH_ARG(std::int64_t, every_n_steps) = 0;
+  /// See `TrainerOptions::weights_pattern`.
+  TORCH_ARG(std::string, weights_pattern) = "";
+};
+
+/// Rank 0 writes OUT/checkpoints/last.pt at each epoch's end (and within
+/// epochs every N batches), keeps the best k, and the model's weights by a
+/// pattern.
+class ModelCheckpoint {
+ public:
+  explicit ModelCheckpoint(ModelCheckpointOptions o) : o_(std::move(o)) {}
+
+  void on(const StepEnd& e) {
+    FitState& s = e.state;
+    const auto every = o_.every_n_steps();
+    // Every rank decides alike (same counts); the epoch's last batch is
+    // followed by the epoch-end checkpoint anyway.
+    if (o_.enabled() && every > 0 && s.step < s.steps &&
+        s.global_step / every > s.last_checkpoint_step / every) {
+      s.checkpoints->write_mid_epoch(dir(s) / "last.pt");
+      s.last_checkpoint_step = s.global_step;
+    }
+  }
+
+  void on(const EpochEnd& e) {
+    FitState& s = e.state;
+    if (o_.enabled() && s.is_main) {
+      s.checkpoints->write(dir(s) / "last.pt");
+      keep_best(s);
+    }
+    if (s.is_main && !o_.weights_pattern().empty()) {
+      std::string rel = o_.weights_pattern();
+      auto at = rel.find("{epoch}");
+      if (at != std::string::npos) rel.replace(at, 7, std::to_string(s.epoch));
+      auto path = s.out / rel;
+      std::filesystem::create_directories(path.parent_path());
+      nn::save_state_dict(*s.module, path);
+    }
+  }
+
+ private:
+  static std::filesystem::path dir(const FitState& s) {
+    return s.out / "checkpoints";
+  }
+
+  void keep_best(FitState& s) {
+    namespace fs = std::filesystem;
+    const int k = o_.keep_best();
+    if (k == 0 || s.history.empty()) return;
+    const fs::path d = dir(s);
+    // Ranked from the history alone, so a resumed run keeps the same set.
+    const auto top = best_epochs(s.history, o_.best_metric(), k);
+    const int epoch = s.history.back().epoch;
+    auto epoch_file = [&](int e) {
+      return d / ("best-epoch-" + std::to_string(e) + ".pt");
+    };
+    if (std::find(top.begin(), top.end(), epoch) != top.end()) {
+      if (k == 1) {
+        s.checkpoints->write(d / "best.pt");
+      } else {
+        s.checkpoints->write(epoch_file(epoch));
+        if (top.front() == epoch) {
+          // best.pt names the same file: a hard link made beside it and
+          // renamed over it, so best.pt is always whole.
+          const fs::path tmp = d / "best.pt.link.tmp";
+          std::error_code ec;
+          fs::remove(tmp, ec);
+          fs::create_hard_link(epoch_file(epoch), tmp);
+          fs::rename(tmp, d / "best.pt");
+        }
+      }
+    }
+    // Files of epochs no longer among the best (only after the new one is
+    // in place: a crash in between leaves one file too many, removed next
+    // time). With k = 1 there are none to remove (an earlier run's are left
+    // alone).
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(d, ec)) {
+      const std::string name = entry.path().filename().string();
+      int e = 0;
+      char tail = 0;
+      if (std::sscanf(name.c_str(), "best-epoch-%d.p%c", &e, &tail) == 2 &&
+          name == epoch_file(e).filename().string() && k > 1 &&
+          std::find(top.begin(), top.end(), e) == top.end()) {
+        fs::remove(entry.path(), ec);
+      }
+    }
+  }
+
+  ModelCheckpointOptions o_;
+};
+
+/// Rank 0's display: a bar redrawn in place on a terminal, a line per
+/// epoch, and why the run stopped.
+class ProgressDisplay {
+ public:
+  explicit ProgressDisplay(bool enabled) : progress_(enabled) {}
+  void on(const EpochBegin& e) {
+    progress_.begin_epoch(e.state.epoch + 1, e.state.epochs, e.state.steps);
+  }
+  void on(const BatchEnd& e) {
+    const FitState& s = e.state;
+    const double secs = std::chrono::duration<double>(
+                            std::chrono::steady_clock::now() - s.epoch_start)
+                            .count();
+    progress_.step(s.step, s.loss_sum / s.count,
+                   secs > 0 ? s.count * s.world / secs : 0);
+  }
+  void on(const EpochEnd& e) {
+    progress_.end_epoch(e.metrics);
+  }
+  void on(const FitEnd& e) {
+    if (!e.state.stop_reason.empty()) progress_.line(e.state.stop_reason);
+  }
+
+ private:
+  Progress progress_;
+};
+
+/// Rank 0 rewrites OUT/metrics.jsonl, metrics.csv and report.svg from the
+/// history at each epoch's end.
+struct MetricsFiles {
+  void on(const EpochEnd& e) {
+    if (e.state.is_main) write_metrics_files(e.state.out, e.state.history);
+  }
+};
+
+/// Rank 0 writes TensorBoard event files to OUT/tb (see
+/// `TrainerOptions::tensorboard`). Events are flushed at each epoch's end
+/// and after each mid-epoch checkpoint, so a resumed run logs each step
+/// once.
+class TensorBoardLog {
+ public:
+  /// `hparams`: the run's settings as a markdown table (tag "hparams").
+  TensorBoardLog(bool enabled, std::int64_t log_every_n_steps,
+                 std::string hparams)
+      : enabled_(enabled),
+        every_(log_every_n_steps),
+        hparams_(std::move(hparams)) {}
+
+  void on(const FitBegin& e) {
+    if (!enabled_ || !e.state.is_main) return;
+    tb_ = std::make_unique<TensorBoardWriter>(e.state.out / "tb");
+    tb_->add_text("hparams", hparams_, e.state.epoch);
+    tb_->flush();
+  }
+  void on(const BatchEnd& e) {
+    if (tb_ && every_ > 0 && e.state.global_step % every_ == 0) {
+      tb_->add_scalar("train/loss_step", e.loss, e.state.global_step);
+    }
+  }
+  void on(const StepEnd& e) {
+    // Right after a mid-epoch checkpoint (ModelCheckpoint comes first).
+    if (tb_ && e.state.last_checkpoint_step == e.state.global_step) {
+      tb_->flush();
+    }
+  }
+  void on(const EpochEnd& e) {
+    if (!tb_) return;
+    // After the checkpoint: a run killed in between lacks this epoch here
+    // rather than logging it twice once resumed.
+    const EpochMetrics& m = e.metrics;
+    const std::pair<const char*, double> scalars[] = {
+        {"train/loss", m.train_loss},
+        {"train/acc", m.train_acc},
+        {"val/loss", m.val_loss},
+        {"val/acc", m.val_acc},
+        {"lr", m.lr},
+        {"train/images_per_second", m.train_images_per_second},
+        {"time/train_seconds", m.train_seconds},
+        {"time/val_seconds", m.val_seconds}};
+    for (const auto& [tag, value] : scalars) {
+      tb_->add_scalar(tag, value, m.epoch);
+    }
+    tb_->flush();
+  }
+  void on(const FitEnd&) {
+    if (tb_) tb_->flush();
+  }
+
+ private:
+  bool enabled_;
+  std::int64_t every_;
+  std::string hparams_;
+  std::unique_ptr<TensorBoardWriter> tb_;  // movable, unlike the writer
+};
+
+}  // namespace ddpkit::train
