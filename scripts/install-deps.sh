@@ -24,6 +24,8 @@ pkgs=(cmake ninja-build g++ pkg-config libtorch-dev libgloo-dev librange-v3-dev
       libpng-dev libcli11-dev python3-venv
       # `script`: the progress-bar test runs an example under a pseudo-terminal.
       bsdutils
+      # Multi-host tests (tests/multihost/netns.sh): ip netns, unshare, nsenter.
+      iproute2 util-linux
       # libFuzzer targets (scripts/fuzz.sh): clang and its sanitizer runtimes.
       clang-14 libclang-rt-14-dev)
 missing=()

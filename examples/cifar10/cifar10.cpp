@@ -90,9 +90,10 @@ int main(int argc, char** argv) {
             ddpkit::data::split_train_val(train_all, kValRatio, args.seed);
         if (group.is_main() && !args.quiet) {
           std::printf(
-              "cifar10 %s: world size %d, %zu train / %zu val / %zu test "
-              "images (%s)%s%s\n",
+              "cifar10 %s: world size %d (transport %s), %zu train / %zu val "
+              "/ %zu test images (%s)%s%s\n",
               Mode::name, Mode::is_multi_process ? group.size() : 1,
+              Mode::is_multi_process ? group.transport().c_str() : "none",
               split.train.size(), split.val.size(), test.size(),
               args.data.empty() ? "built-in synthetic set" : args.data.c_str(),
               Mode::is_multi_process ? ", gradients: " : "",

@@ -131,9 +131,10 @@ int main(int argc, char** argv) {
         num_classes = static_cast<int>(folder.classes.size());
         if (group.is_main() && !args.quiet) {
           std::printf(
-              "flowers-resnet34 %s: world size %d, %zu train / %zu val images, "
-              "%d classes, %dpx\n",
+              "flowers-resnet34 %s: world size %d (transport %s), %zu train / "
+              "%zu val images, %d classes, %dpx\n",
               Mode::name, Mode::is_multi_process ? group.size() : 1,
+              Mode::is_multi_process ? group.transport().c_str() : "none",
               folder.train.size(), folder.val.size(), num_classes, image_size);
         }
         torch::manual_seed(args.seed);

@@ -28,21 +28,9 @@ half_lr=$(awk -v l="$lr" 'BEGIN { printf "%.10g", l / 2 }')
 "$single" --out "$out/single" --batch-size "$batch" --lr "$lr" "${extra[@]}"
 "$ddp" --out "$out/ddp" --world-size 2 --batch-size $((batch / 2)) --lr "$half_lr" "${extra[@]}"
 compare() {
-  "$py" - "$out/init/weights/model-0.pt" "$out/single/weights/model-0.pt" "$out/$1/weights/model-0.pt" "$max_rel" "$2" <<'PY'
-import sys, torch
-w0, a, b = (torch.load(p) for p in sys.argv[1:4])
-assert list(a) == list(b) == list(w0), "different keys"
-keys = [k for k in a if a[k].is_floating_point() and "running" not in k]
-flat = lambda sd: torch.cat([sd[k].double().flatten() for k in keys])
-da, db = flat(a) - flat(w0), flat(b) - flat(w0)
-rel = ((da - db).norm() / da.norm()).item()
-want = sys.argv[5]
-print(f"single (batch 2B) vs {sys.argv[3].split('/')[-3]} world 2 (batch B): updates "
-      f"differ by {rel:.3e} (relative L2 over {len(keys)} parameters; must be "
-      f"{'<=' if want == 'same' else '>'} {sys.argv[4]}); update size {da.norm().item():.3e}")
-ok = rel <= float(sys.argv[4]) if want == "same" else rel > float(sys.argv[4])
-sys.exit(0 if da.norm() > 0 and ok else 1)
-PY
+  "$py" "$(dirname "$0")/compare_updates.py" "$out/init/weights/model-0.pt" \
+    "$out/single/weights/model-0.pt" "$out/$1/weights/model-0.pt" "$max_rel" "$2" \
+    "single (batch 2B) vs $1 world 2 (batch B)"
 }
 compare ddp same
 "$ddp" --out "$out/ddp-nosync" --world-size 2 --batch-size $((batch / 2)) --lr "$half_lr" --no-sync-bn "${extra[@]}"

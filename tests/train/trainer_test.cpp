@@ -1026,38 +1026,45 @@ struct EventLog {
     events += 'e';
     CHECK(e.metrics.epoch == e.state.epoch + 1);
     CHECK(e.state.history.back().epoch == e.metrics.epoch);
-    // ModelCheckpoint came first: last.pt holds this epoch.
-    auto archive =
-        train::open_checkpoint(e.state.out / "checkpoints" / "last.pt");
-    c10::IValue done;
-    archive.read("epochs_done", done);
-    CHECK(done.toInt() == e.metrics.epoch);
+    // ModelCheckpoint comes after the user's callbacks: last.pt still
+    // holds the epoch before.
+    const auto last = e.state.out / "checkpoints" / "last.pt";
+    if (e.metrics.epoch == 1) {
+      CHECK(!fs::exists(last));
+    } else {
+      c10::IValue done;
+      train::open_checkpoint(last).read("epochs_done", done);
+      CHECK(done.toInt() == e.metrics.epoch - 1);
+    }
   }
   void on(const train::FitEnd&) {
     events += 'f';
   }
 };
 
-/// Counts the batches it has seen over the run, resumes included (its
-/// count is saved in checkpoints); stops the run after epoch `stop_after`.
+/// Counts the steps and epochs it has seen over the run, resumes included
+/// (its counts are saved in checkpoints); stops the run after epoch
+/// `stop_after` (on rank `stop_rank` only, -1: every rank).
 struct BatchCounter {
   static constexpr const char* name = "batch_counter";
-  std::int64_t batches = 0;
-  int stop_after = 0;
-  void on(const train::BatchEnd&) {
+  std::int64_t batches = 0, epochs = 0;
+  int stop_after = 0, stop_rank = -1, rank = 0;
+  void on(const train::StepEnd&) {
     ++batches;
   }
   void on(const train::EpochEnd& e) {
-    if (e.metrics.epoch == stop_after) {
+    ++epochs;
+    if (e.metrics.epoch == stop_after && (stop_rank < 0 || stop_rank == rank)) {
       e.state.stop = true;
       e.state.stop_reason = "enough";
     }
   }
   c10::IValue state() const {
-    return batches;
+    return torch::tensor({batches, epochs}, torch::kInt64);
   }
   void load_state(const c10::IValue& v) {
-    batches = v.toInt();
+    batches = v.toTensor()[0].item<std::int64_t>();
+    epochs = v.toTensor()[1].item<std::int64_t>();
   }
 };
 
@@ -1298,6 +1305,7 @@ TEST_SUITE("train") {
                                     resumed);
     CHECK(r.epochs_run == 4);
     CHECK(resumed.batches == 12);  // 6 before the resume, 6 after
+    CHECK(resumed.epochs == 4);    // the checkpoint came after EpochEnd
     // Stopping.
     TempDir out2;
     BatchCounter stopper;
@@ -1554,5 +1562,37 @@ sys.exit(0 if worst < 1e-6 else 1)
         make(base_options(out.path(), 1).clip(
             train::ClipOptions().max_norm(1).norm_type(0))),
         doctest::Contains("clip norm_type 0 must be > 0"), UsageError);
+  }
+}
+
+/// DDP at world 2; a callback on rank 1 only asks to stop after epoch 1.
+/// Writes the epochs each rank ran.
+DDPKIT_WORKER(trainer_stop_one_rank) {
+  auto g = test::worker_group();
+  auto d = make_data(48, 10);
+  DDPTrainer<TinyNet> trainer(
+      TinyNet(), adam(),
+      base_options(test::worker_dir() / "out", 4).verbose(false), g);
+  BatchCounter stopper;
+  stopper.stop_after = 1;
+  stopper.stop_rank = 1;
+  stopper.rank = g.rank();
+  auto r = trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                       data::LoaderOptions(8).workers(0), stopper);
+  std::ofstream(test::worker_dir() / ("epochs" + std::to_string(g.rank())))
+      << r.epochs_run << " " << r.stopped_early;
+  return 0;
+}
+
+TEST_SUITE("train") {
+  TEST_CASE(
+      "a callback that stops the run on one rank only stops every rank after "
+      "that epoch") {
+    TempDir dir;
+    REQUIRE(run_workers("trainer_stop_one_rank", 2, dir.str()).ok());
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      CHECK(read_file(dir / ("epochs" + std::to_string(r))) == "1 1");
+    }
   }
 }

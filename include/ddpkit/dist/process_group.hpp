@@ -198,6 +198,14 @@ class Group {
   const std::shared_ptr<ShmChannel>& shm() const {
     return shm_;
   }
+  /// How this group's collectives travel: "none" (a world of one),
+  /// "shm+gloo" (every rank on this host: sums through shared memory, the
+  /// rest over gloo), "gloo" or "nccl".
+  std::string transport() const {
+    if (env_.world_size == 1 || !backend_) return "none";
+    if (shm_) return "shm+gloo";
+    return device_.is_cuda() ? "nccl" : "gloo";
+  }
   /// The rendezvous store; null in a world of one.
   const compat::StorePtr& store() const {
     return store_;

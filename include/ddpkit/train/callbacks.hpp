@@ -1,8 +1,9 @@
 // Callbacks: what happens at the training loop's boundaries. `Trainer::fit`
 // is a short loop that hands events (FitBegin, EpochBegin, BatchEnd,
-// StepEnd, EpochEnd, FitEnd) to a compile-time pack of callbacks: the
-// ready-made ones below (early stopping, checkpoints, progress, metrics
-// files, TensorBoard), then the user's.
+// StepEnd, EpochEnd, FitEnd) to a compile-time pack of callbacks:
+// EarlyStopping, the user's (in the order given), then ModelCheckpoint,
+// MetricsFiles, TensorBoardLog and ProgressDisplay -- so the checkpoint
+// written at a StepEnd or EpochEnd holds every callback's state after it.
 //
 // A callback is a class with `on(const Event&)` for the events it wants:
 // ```
@@ -17,7 +18,10 @@
 // and a class with no `on(...)` for any event fails the `callback` concept
 // where `fit` is called. A callback with state gives it a `name` and
 // `state()` / `load_state(v)`: it is saved in every checkpoint (under
-// "callbacks/<name>") and restored on resume.
+// "callbacks/<name>") and restored on resume. Only rank 0 writes
+// checkpoints, so only rank 0's `state()` is called (it must not start a
+// collective) and every rank loads rank 0's state. Setting `stop` at an
+// EpochEnd on any rank stops every rank after that epoch.
 #pragma once
 
 #include <algorithm>
@@ -136,9 +140,10 @@ concept handles_some_event = std::is_class_v<C> &&
      handles_event<C, BatchEnd> || handles_event<C, StepEnd> ||
      handles_event<C, EpochEnd> || handles_event<C, FitEnd>);
 
-/// What `fit` takes as a callback (by value or reference).
+/// What `fit` takes as a callback (by value or reference; a const one
+/// needs const `on` members).
 template <class C>
-concept callback = handles_some_event<std::remove_cvref_t<C>>;
+concept callback = handles_some_event<std::remove_reference_t<C>>;
 
 /// Every one of `Cs` is a `callback`.
 template <class... Cs>

@@ -271,8 +271,11 @@ class Trainer : private CheckpointWriter {
 
   /// Trains for `options.epochs()` epochs (from a checkpoint when resuming),
   /// evaluating on `val` after each; rank 0 writes metrics, checkpoints and
-  /// the summary. `callbacks` (see callbacks.hpp) get every event after the
-  /// ready-made ones, in the order given; each must satisfy `callback`.
+  /// the summary. `callbacks` (see callbacks.hpp) get every event in the
+  /// order given, after EarlyStopping and before the other ready-made ones
+  /// (so a checkpoint holds their state after the event); each must
+  /// satisfy `callback`. Only rank 0's `state()` is saved, and every rank
+  /// loads it on resume.
   /// Throws `Interrupted` after a checkpoint when SIGTERM/SIGINT arrives
   /// (`TrainerOptions::checkpoint_on_signal`).
   template <class Dataset, class TrainTransform, class EvalTransform,
@@ -284,8 +287,11 @@ class Trainer : private CheckpointWriter {
           data::LoaderOptions lo, Callbacks&&... callbacks) {
     const auto fit_start = std::chrono::steady_clock::now();
     lo.seed(options_.seed()).rank(rank());
-    std::tuple builtin{
-        EarlyStopping(options_.patience()),
+    // Early stopping first, then the user's callbacks, then the rest of
+    // the ready-made ones: the checkpoint written at a StepEnd or EpochEnd
+    // holds what every callback (and the generator) has after it.
+    EarlyStopping early(options_.patience());
+    std::tuple after_user{
         ModelCheckpoint(ModelCheckpointOptions()
                             .enabled(options_.checkpoints())
                             .keep_best(options_.keep_best())
@@ -297,8 +303,9 @@ class Trainer : private CheckpointWriter {
                        hparams_markdown(lo)),
         ProgressDisplay(is_main() && options_.verbose())};
     auto emit = [&](const auto& event) {
-      std::apply([&](auto&... b) { train::emit(event, b..., callbacks...); },
-                 builtin);
+      std::apply(
+          [&](auto&... b) { train::emit(event, early, callbacks..., b...); },
+          after_user);
     };
     FitScope scope(*this, callbacks...);
     FitState& s = scope.state;
@@ -314,6 +321,7 @@ class Trainer : private CheckpointWriter {
     for (; s.epoch < s.epochs && !s.stop; ++s.epoch) {
       auto batches = begin_epoch(s, sampler, loader, lo);
       emit(EpochBegin{s});
+      restore_generator();            // resuming mid-epoch: as it was there
       std::vector<data::Batch> step;  // one optimizer step's batches
       while (next_step(batches, step)) {
         train_step(step, s, emit);
@@ -324,7 +332,7 @@ class Trainer : private CheckpointWriter {
       }
       const EpochMetrics m = end_epoch(s, val, eval_transform, lo);
       emit(EpochEnd{s, m});
-      if (const int sig = agreed_signal(signals)) {
+      if (const int sig = agree_at_epoch_end(s, signals)) {
         stop_on_signal(s, sig, /*mid_epoch=*/false, emit);
       }
     }
@@ -401,6 +409,8 @@ class Trainer : private CheckpointWriter {
     j.add("example", options_.run_name())
         .add("mode", std::string(Parallel::name))
         .add("world_size", Parallel::is_multi_process ? group_.size() : 1)
+        .add("transport", Parallel::is_multi_process ? group_.transport()
+                                                     : std::string("none"))
         .add("sampler",
              std::string(Parallel::is_multi_process ? "distributed" : "local"))
         .add("bn", std::string(BN::name))
@@ -469,7 +479,9 @@ class Trainer : private CheckpointWriter {
   struct FitScope {
     template <class... Cs>
     FitScope(Trainer& t, Cs&... cs) : trainer(t) {
-      (add(cs), ...);
+      std::vector<CallbackState> states;  // taken only if all are valid
+      (add(states, cs), ...);
+      t.callback_states_ = std::move(states);
       t.fit_ = &state;
     }
     ~FitScope() {
@@ -480,11 +492,11 @@ class Trainer : private CheckpointWriter {
     FitScope& operator=(const FitScope&) = delete;
 
     template <class C>
-    void add(C& c) {
+    static void add(std::vector<CallbackState>& states, C& c) {
       if constexpr (stateful_callback<std::remove_cvref_t<C>>) {
         std::string key =
             "callbacks/" + std::string(std::remove_cvref_t<C>::name);
-        for (const auto& other : trainer.callback_states_) {
+        for (const auto& other : states) {
           if (other.key == key) {
             throw UsageError(ddpkit::detail::cat(
                 "two callbacks of one fit have the name '",
@@ -492,9 +504,9 @@ class Trainer : private CheckpointWriter {
                 "'; their states would overwrite each other in checkpoints"));
           }
         }
-        trainer.callback_states_.push_back(
-            {std::move(key), [&c] { return c10::IValue(c.state()); },
-             [&c](const c10::IValue& v) { c.load_state(v); }});
+        states.push_back({std::move(key),
+                          [&c] { return c10::IValue(c.state()); },
+                          [&c](const c10::IValue& v) { c.load_state(v); }});
       }
     }
 
@@ -546,6 +558,7 @@ class Trainer : private CheckpointWriter {
         }
       }
     }
+    mid_ = {};
     s.epoch = try_resume(s);
     s.last_checkpoint_step = s.global_step;
   }
@@ -597,12 +610,7 @@ class Trainer : private CheckpointWriter {
       // A run resumed from a mid-epoch checkpoint: every rank's generator
       // as it was there, and the metrics so far (all ranks' sums, counted
       // once: on rank 0).
-      auto state = mid_.rng[rank()].contiguous().clone();
-      at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle
-      {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        gen.set_state(state);
-      }
+      resume_rng_ = mid_.rng[rank()].contiguous().clone();
       if (is_main()) {
         s.loss_sum = mid_.sums[0].template item<double>();
         s.correct = mid_.sums[1].template item<double>();
@@ -770,6 +778,35 @@ class Trainer : private CheckpointWriter {
       ++s.bad_epochs;
     }
     return m;
+  }
+
+  /// Sets the CPU generator to the state a mid-epoch checkpoint saved for
+  /// this rank (after EpochBegin, as in the uninterrupted run).
+  void restore_generator() {
+    if (!resume_rng_.defined()) return;
+    at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(resume_rng_);
+    }
+    resume_rng_ = torch::Tensor();
+  }
+
+  /// At an epoch's end every rank agrees on stopping (a callback may have
+  /// decided on one rank only) and on a signal; returns the signal or 0.
+  int agree_at_epoch_end(FitState& s, const SignalFlag& signals) const {
+    if (!multi()) return signals.pending();
+    auto t = torch::tensor({static_cast<std::int64_t>(signals.pending()),
+                            static_cast<std::int64_t>(s.stop)},
+                           torch::kInt64)
+                 .to(group_.device());
+    dist::all_reduce(group_, t, dist::Reduce::max);
+    t = t.cpu();
+    if (t[1].template item<std::int64_t>() != 0 && !s.stop) {
+      s.stop = true;
+      s.stop_reason = "stopped: a callback on another rank asked to";
+    }
+    return static_cast<int>(t[0].template item<std::int64_t>());
   }
 
   /// The signal any rank has received (0: none), the same on every rank.
@@ -1106,8 +1143,9 @@ class Trainer : private CheckpointWriter {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   CrossEntropy loss_fn_;
   LossScaler scaler_;
-  bool join_ = false;        ///< this fit runs uneven_inputs(join)
-  FitState* fit_ = nullptr;  ///< the fit running (for checkpoints)
+  bool join_ = false;         ///< this fit runs uneven_inputs(join)
+  torch::Tensor resume_rng_;  ///< set by a mid-epoch resume until applied
+  FitState* fit_ = nullptr;   ///< the fit running (for checkpoints)
   std::vector<CallbackState> callback_states_;  ///< the fit's, by key
   /// Where an unfinished epoch stands: saved in mid-epoch checkpoints, and
   /// read from one until the resumed epoch starts.

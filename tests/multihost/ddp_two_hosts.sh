@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# ddp_two_hosts.sh OUT SINGLE DDP "ARGS" BATCH LR MAX_REL
+# DDP across two hosts (network namespaces with their own addresses, host
+# names and /dev/shm: tests/multihost/netns.sh), two ranks on each, started
+# as a multi-node launcher would (RANK, LOCAL_RANK, WORLD_SIZE=4,
+# MASTER_ADDR = host 0's address), equals one process on the joined batch:
+# SINGLE with batch BATCH at LR against DDP with batch BATCH/4 at LR/4 (the
+# example scales the lr by the world size), both with ARGS (augmentation
+# off), one step; the updates agree to MAX_REL (relative L2; see
+# tests/examples/single_equals_ddp.sh for why not 1e-5). The ranks must
+# find that they are not all on one host: summary.json and rank 0's first
+# line say transport "gloo" (no shared memory across hosts).
+set -euo pipefail
+out=$1 single=$2 ddp=$3 args=$4 batch=$5 lr=$6 max_rel=$7
+here=$(dirname "$0")
+source "$here/../examples/torch_python.sh"
+source "$here/netns.sh"
+if [[ $(id -u) != 0 && ${CI:-} != true ]]; then
+  echo "SKIPPED: multi-host tests make network namespaces, which needs root"
+  exit 77
+fi
+rm -rf "$out"
+mkdir -p "$out"
+read -r -a extra <<<"$args"
+hosts_up 2
+"$single" --out "$out/init" --batch-size "$batch" --lr 1e-30 "${extra[@]}"
+"$single" --out "$out/single" --batch-size "$batch" --lr "$lr" "${extra[@]}"
+quarter_lr=$(awk -v l="$lr" 'BEGIN { printf "%.10g", l / 4 }')
+pids=()
+for r in 0 1 2 3; do
+  host=$((r / 2))
+  on_host "$host" env RANK=$r LOCAL_RANK=$((r % 2)) WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 \
+    GROUP_RANK=$host MASTER_ADDR="$(host_addr 0)" MASTER_PORT=29513 GLOO_SOCKET_IFNAME=eth0 \
+    "$ddp" --out "$out/ddp" --batch-size $((batch / 4)) --lr "$quarter_lr" "${extra[@]}" \
+    >"$out/rank$r.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for r in 0 1 2 3; do
+  if ! wait "${pids[$r]}"; then
+    echo "rank $r (host $((r / 2))) failed:"
+    cat "$out/rank$r.log"
+    failed=1
+  fi
+done
+((failed == 0)) || exit 1
+head -1 "$out/rank0.log"
+grep -q "world size 4 (transport gloo)" "$out/rank0.log" ||
+  { echo "rank 0 does not report 'world size 4 (transport gloo)'"; exit 1; }
+grep -q '"transport": "gloo"' "$out/ddp/summary.json" ||
+  { echo "summary.json does not say transport gloo:"; cat "$out/ddp/summary.json"; exit 1; }
+"$py" "$here/../examples/compare_updates.py" "$out/init/weights/model-0.pt" \
+  "$out/single/weights/model-0.pt" "$out/ddp/weights/model-0.pt" "$max_rel" same \
+  "single (batch 4B) vs DDP on 2 hosts x 2 ranks (batch B)"

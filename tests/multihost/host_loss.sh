@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# host_loss.sh OUT DDP
+# Two hosts (tests/multihost/netns.sh), two ranks on each, training DDP;
+# once an epoch is done every process on host 1 is killed (SIGKILL, as a
+# machine that loses power). Host 0's ranks must stop on their own within
+# 10 s with a non-zero exit and a message naming the failed collective.
+set -euo pipefail
+out=$1 ddp=$2
+here=$(dirname "$0")
+source "$here/netns.sh"
+if [[ $(id -u) != 0 && ${CI:-} != true ]]; then
+  echo "SKIPPED: multi-host tests make network namespaces, which needs root"
+  exit 77
+fi
+rm -rf "$out"
+mkdir -p "$out"
+hosts_up 2
+pids=()
+for r in 0 1 2 3; do
+  on_host $((r / 2)) env RANK=$r LOCAL_RANK=$((r % 2)) WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 \
+    MASTER_ADDR="$(host_addr 0)" MASTER_PORT=29515 GLOO_SOCKET_IFNAME=eth0 \
+    "$ddp" --out "$out/run" --epochs 500 --batch-size 16 --synthetic-size 2400 \
+    --workers 0 >"$out/rank$r.log" 2>&1 &
+  pids+=($!)
+done
+for ((t = 0; t < 600; t++)); do
+  grep -q "^epoch 1/" "$out/rank0.log" 2>/dev/null && break
+  kill -0 "${pids[0]}" 2>/dev/null || break  # rank 0 ended early
+  sleep 0.2
+done
+grep -q "^epoch 1/" "$out/rank0.log" ||
+  { echo "FAILED: rank 0 finished no epoch:"; cat "$out/rank0.log"; exit 1; }
+t0=$(date +%s%N)
+for p in $(ip netns pids "$NETNS_PREFIX-h1"); do
+  [[ $p == "${NETNS_HOLDERS[1]}" ]] || kill -9 "$p" 2>/dev/null || true
+done
+echo "killed every process on host 1 (ranks 2 and 3)"
+status=0
+for r in 0 1; do
+  # Each survivor gets up to 10 s from the kill.
+  while kill -0 "${pids[$r]}" 2>/dev/null && (($(date +%s%N) - t0 < 10000000000)); do sleep 0.05; done
+  if kill -0 "${pids[$r]}" 2>/dev/null; then
+    echo "FAILED: rank $r still running 10 s after host 1 was lost"
+    status=1
+    continue
+  fi
+  rc=0
+  wait "${pids[$r]}" || rc=$?
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  msg=$(grep -m1 "^error" "$out/rank$r.log" || true)
+  echo "rank $r: exit $rc within ${ms} ms: $msg"
+  if ((rc == 0)); then echo "FAILED: rank $r exited 0"; status=1; fi
+  if [[ $msg != *"failed"* ]]; then echo "FAILED: rank $r's message names no failed operation"; status=1; fi
+done
+exit $status

@@ -1,0 +1,96 @@
+# Test hosts on one machine, for multi-host tests. Source this file (bash),
+# then:
+#   hosts_up N        N hosts: network namespaces joined by a bridge in a
+#                     namespace of their own (the "switch"), each with its
+#                     own address 10.213.0.(i+1)/24 on eth0, its own host
+#                     name (ddpkit-host<i>, UTS namespace) and its own
+#                     /dev/shm (mount namespace), as separate machines have.
+#   on_host I CMD...  runs CMD on host I (its network, name and /dev/shm).
+#   host_addr I       prints host I's address.
+#   host_pids I       prints the pids of the processes started by on_host I
+#                     in the background (tracked by the caller).
+# Everything is removed at exit (trap), even when the test fails: the
+# processes still inside the hosts are killed, the namespaces deleted.
+# Traffic stays inside these namespaces: the root namespace gets no
+# interface or route. Needs root and iproute2 (`ip netns`); where the
+# sandbox forbids namespaces, hosts_up fails saying so (the test must fail,
+# not skip, in CI).
+
+NETNS_PREFIX="ddpk$$"
+NETNS_HOSTS=()   # namespace names
+NETNS_HOLDERS=() # pid of a process holding each host's UTS/mount namespaces
+
+hosts_down() {
+  local ns pid
+  for pid in "${NETNS_HOLDERS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  for ns in "${NETNS_HOSTS[@]}" "$NETNS_PREFIX-sw"; do
+    # Whatever still runs in the namespace (ranks left behind) goes too.
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  NETNS_HOSTS=()
+  NETNS_HOLDERS=()
+}
+
+hosts_up() {
+  local n=$1 i ns
+  if [[ $(id -u) != 0 ]]; then
+    echo "netns.sh: multi-host tests need root (ip netns); running as $(id -un)" >&2
+    return 1
+  fi
+  if ! command -v ip >/dev/null; then
+    echo "netns.sh: 'ip' (iproute2) not found; scripts/install.sh installs it" >&2
+    return 1
+  fi
+  trap hosts_down EXIT
+  trap "exit 143" TERM
+  trap "exit 130" INT
+  if ! ip netns add "$NETNS_PREFIX-sw" 2>/tmp/netns.$$.err; then
+    echo "netns.sh: cannot create a network namespace: $(cat /tmp/netns.$$.err)" >&2
+    rm -f /tmp/netns.$$.err
+    return 1
+  fi
+  rm -f /tmp/netns.$$.err
+  local sw="ip -n $NETNS_PREFIX-sw"
+  $sw link add br0 type bridge
+  $sw link set br0 up
+  $sw link set lo up
+  for ((i = 0; i < n; i++)); do
+    ns="$NETNS_PREFIX-h$i"
+    ip netns add "$ns"
+    NETNS_HOSTS+=("$ns")
+    # A veth pair made in the host, its far end moved to the switch.
+    ip -n "$ns" link add eth0 type veth peer name "port$i"
+    ip -n "$ns" link set "port$i" netns "$NETNS_PREFIX-sw"
+    $sw link set "port$i" master br0
+    $sw link set "port$i" up
+    ip -n "$ns" addr add "10.213.0.$((i + 1))/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+    # The host's own name and /dev/shm, held by a process that on_host
+    # joins.
+    local ready
+    ready=$(mktemp -u /tmp/ddpkit-netns-ready.XXXXXX)
+    ip netns exec "$ns" unshare --uts --mount --propagation private \
+      bash -c "hostname ddpkit-host$i && mount -t tmpfs -o size=2g tmpfs /dev/shm && touch $ready && exec sleep infinity" &
+    NETNS_HOLDERS+=($!)
+    disown
+    local t=0
+    until [[ -e $ready ]]; do
+      sleep 0.05
+      if ((++t > 200)) || ! kill -0 "${NETNS_HOLDERS[$i]}" 2>/dev/null; then
+        echo "netns.sh: host $i did not come up (unshare --uts --mount, tmpfs on /dev/shm)" >&2
+        return 1
+      fi
+    done
+    rm -f "$ready"
+  done
+}
+
+host_addr() { echo "10.213.0.$(($1 + 1))"; }
+
+on_host() {
+  local i=$1
+  shift
+  nsenter -t "${NETNS_HOLDERS[$i]}" --net --uts --mount --wd="$PWD" -- "$@"
+}
