@@ -15,14 +15,8 @@ out=$1 single=$2 ddp=$3 args=$4 batch=$5 lr=$6 max_rel=$7
 here=$(dirname "$0")
 source "$here/../examples/torch_python.sh"
 source "$here/netns.sh"
-if [[ $(id -u) != 0 && ${CI:-} != true ]]; then
-  echo "SKIPPED: multi-host tests make network namespaces, which needs root"
-  exit 77
-fi
-rm -rf "$out"
-mkdir -p "$out"
 read -r -a extra <<<"$args"
-hosts_up 2
+multihost_begin "$out" 2
 "$single" --out "$out/init" --batch-size "$batch" --lr 1e-30 "${extra[@]}"
 "$single" --out "$out/single" --batch-size "$batch" --lr "$lr" "${extra[@]}"
 quarter_lr=$(awk -v l="$lr" 'BEGIN { printf "%.10g", l / 4 }')
@@ -30,7 +24,7 @@ pids=()
 for r in 0 1 2 3; do
   host=$((r / 2))
   on_host "$host" env RANK=$r LOCAL_RANK=$((r % 2)) WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 \
-    GROUP_RANK=$host MASTER_ADDR="$(host_addr 0)" MASTER_PORT=29513 GLOO_SOCKET_IFNAME=eth0 \
+    GROUP_RANK=$host MASTER_ADDR="$(host_addr 0)" MASTER_PORT=29513 \
     "$ddp" --out "$out/ddp" --batch-size $((batch / 4)) --lr "$quarter_lr" "${extra[@]}" \
     >"$out/rank$r.log" 2>&1 &
   pids+=($!)

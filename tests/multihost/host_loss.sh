@@ -8,13 +8,7 @@ set -euo pipefail
 out=$1 ddp=$2
 here=$(dirname "$0")
 source "$here/netns.sh"
-if [[ $(id -u) != 0 && ${CI:-} != true ]]; then
-  echo "SKIPPED: multi-host tests make network namespaces, which needs root"
-  exit 77
-fi
-rm -rf "$out"
-mkdir -p "$out"
-hosts_up 2
+multihost_begin "$out" 2
 pids=()
 for r in 0 1 2 3; do
   on_host $((r / 2)) env RANK=$r LOCAL_RANK=$((r % 2)) WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 \

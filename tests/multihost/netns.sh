@@ -1,9 +1,12 @@
 # Test hosts on one machine, for multi-host tests. Source this file (bash),
 # then:
+#   multihost_begin OUT N   root check (SKIPPED without root unless
+#                     CI=true), a fresh OUT, then hosts_up N.
 #   hosts_up N        N hosts: network namespaces joined by a bridge in a
 #                     namespace of their own (the "switch"), each with its
 #                     own address 10.213.0.(i+1)/24 on eth0, its own host
-#                     name (ddpkit-host<i>, UTS namespace) and its own
+#                     name (ddpkit-host<i>, UTS namespace, resolvable on
+#                     every host through its own /etc/hosts) and its own
 #                     /dev/shm (mount namespace), as separate machines have.
 #   on_host I CMD...  runs CMD on host I (its network, name and /dev/shm).
 #   host_addr I       prints host I's address.
@@ -30,6 +33,7 @@ hosts_down() {
   done
   NETNS_HOSTS=()
   NETNS_HOLDERS=()
+  [[ -z ${NETNS_HOSTS_FILE:-} ]] || rm -f "$NETNS_HOSTS_FILE"
 }
 
 hosts_up() {
@@ -51,6 +55,14 @@ hosts_up() {
     return 1
   fi
   rm -f /tmp/netns.$$.err
+  # Every host resolves every host's name, as a cluster's DNS would
+  # (torchrun's rendezvous and gloo's default device look names up).
+  NETNS_HOSTS_FILE=$(mktemp /tmp/ddpkit-netns-hosts.XXXXXX)
+  {
+    echo "127.0.0.1 localhost"
+    for ((i = 0; i < n; i++)); do echo "$(host_addr "$i") ddpkit-host$i"; done
+  } >"$NETNS_HOSTS_FILE"
+  chmod 644 "$NETNS_HOSTS_FILE"
   local sw="ip -n $NETNS_PREFIX-sw"
   $sw link add br0 type bridge
   $sw link set br0 up
@@ -72,7 +84,7 @@ hosts_up() {
     local ready
     ready=$(mktemp -u /tmp/ddpkit-netns-ready.XXXXXX)
     ip netns exec "$ns" unshare --uts --mount --propagation private \
-      bash -c "hostname ddpkit-host$i && mount -t tmpfs -o size=2g tmpfs /dev/shm && touch $ready && exec sleep infinity" &
+      bash -c "hostname ddpkit-host$i && mount -t tmpfs -o size=2g tmpfs /dev/shm && mount --bind $NETNS_HOSTS_FILE /etc/hosts && touch $ready && exec sleep infinity" &
     NETNS_HOLDERS+=($!)
     disown
     local t=0
@@ -85,6 +97,20 @@ hosts_up() {
     done
     rm -f "$ready"
   done
+}
+
+# The common start of a multi-host test: without root it says SKIPPED and
+# exits 77 (under CI=true hosts_up fails instead, saying why); then a fresh
+# OUT folder and N hosts.
+multihost_begin() {
+  local out=$1 n=$2
+  if [[ $(id -u) != 0 && ${CI:-} != true ]]; then
+    echo "SKIPPED: multi-host tests make network namespaces, which needs root"
+    exit 77
+  fi
+  rm -rf "$out"
+  mkdir -p "$out"
+  hosts_up "$n"
 }
 
 host_addr() { echo "10.213.0.$(($1 + 1))"; }
