@@ -350,7 +350,7 @@ class Trainer : private CheckpointWriter {
     const std::size_t n = set.size();
     torch::Tensor sums;
     int64_t local = 0;
-    const bool distributed = Parallel::is_multi_process && group_.size() > 1;
+    const bool distributed = multi();
     if (distributed && Reduction::shards_evaluation) {
       data::DistributedSampling shard(
           n, {.rank = group_.rank(), .world_size = group_.size()},
@@ -393,7 +393,7 @@ class Trainer : private CheckpointWriter {
   }
   /// The world size the LR is scaled for (processes for DDP, else 1).
   int lr_world_size() const {
-    return Parallel::is_multi_process ? group_.size() : 1;
+    return world();
   }
   bool is_main() const {
     return group_.rank() == 0;
@@ -408,7 +408,7 @@ class Trainer : private CheckpointWriter {
     JsonObject j;
     j.add("example", options_.run_name())
         .add("mode", std::string(Parallel::name))
-        .add("world_size", Parallel::is_multi_process ? group_.size() : 1)
+        .add("world_size", world())
         .add("transport", Parallel::is_multi_process ? group_.transport()
                                                      : std::string("none"))
         .add("sampler",
@@ -514,11 +514,28 @@ class Trainer : private CheckpointWriter {
     FitState state;
   };
 
+  /// This process's rank and the ranks training together (0 and 1 unless
+  /// the policy runs several processes).
   int rank() const {
     return Parallel::is_multi_process ? group_.rank() : 0;
   }
+  int world() const {
+    return Parallel::is_multi_process ? group_.size() : 1;
+  }
   bool multi() const {
     return Parallel::is_multi_process && group_.size() > 1;
+  }
+
+  /// Several processes: gathers `value` from every rank (a collective) and
+  /// throws a UsageError with `message(rank, its value, rank 0's)` for the
+  /// first rank whose value differs from rank 0's.
+  template <class Message>
+  void require_same_on_every_rank(std::size_t value, Message message) const {
+    if (!multi()) return;
+    auto all = dist::all_gather_value(group_, static_cast<int64_t>(value));
+    for (int r = 0; r < world(); ++r) {
+      if (all[r] != all[0]) throw UsageError(message(r, all[r], all[0]));
+    }
   }
 
   /// Checks what must hold before training (a writable output folder, the
@@ -528,7 +545,7 @@ class Trainer : private CheckpointWriter {
     using ddpkit::detail::cat;
     s.out = options_.out_dir();
     s.is_main = is_main();
-    s.world = Parallel::is_multi_process ? group_.size() : 1;
+    s.world = world();
     s.epochs = options_.epochs();
     s.module = &parallel::as_module(engine_.module());
     s.checkpoints = this;
@@ -546,18 +563,11 @@ class Trainer : private CheckpointWriter {
           "uneven_inputs(join) needs a parallel policy whose engine has "
           "join_round (DDP's has); this policy's engine has none");
     }
-    if (multi()) {
-      // Ranks holding different datasets would deadlock later: say so now.
-      auto sizes =
-          dist::all_gather_value(group_, static_cast<int64_t>(train_size));
-      for (int r = 0; r < s.world; ++r) {
-        if (sizes[r] != sizes[0]) {
-          throw UsageError(cat("rank ", r, " has ", sizes[r],
-                               " training samples but rank 0 has ", sizes[0],
-                               "; every rank must read the same dataset"));
-        }
-      }
-    }
+    // Ranks holding different datasets would deadlock later: say so now.
+    require_same_on_every_rank(train_size, [](int r, auto mine, auto first) {
+      return cat("rank ", r, " has ", mine, " training samples but rank 0 has ",
+                 first, "; every rank must read the same dataset");
+    });
     mid_ = {};
     s.epoch = try_resume(s);
     s.last_checkpoint_step = s.global_step;
@@ -587,21 +597,18 @@ class Trainer : private CheckpointWriter {
     const auto first = static_cast<std::size_t>(mid_.batches_done);
     auto batches =
         loader.epoch(indices, static_cast<std::size_t>(s.epoch), first);
-    if (multi() && !join_) {
+    if (!join_) {
       // Uneven inputs would leave the ranks with more batches waiting in a
       // gradient all-reduce nobody else joins: refuse before the epoch.
-      auto counts =
-          dist::all_gather_value(group_, static_cast<int64_t>(batches.size()));
-      for (int r = 0; r < s.world; ++r) {
-        if (counts[r] != counts[0]) {
-          throw UsageError(ddpkit::detail::cat(
-              "epoch ", s.epoch + 1, ": rank ", r, " has ", counts[r],
-              " batches but rank 0 has ", counts[0],
-              " (uneven inputs would hang DDP); use a sampler that gives "
-              "every rank the same number of samples, e.g. "
-              "DistributedSampling"));
-        }
-      }
+      require_same_on_every_rank(
+          batches.size(), [&](int r, auto mine, auto first) {
+            return ddpkit::detail::cat(
+                "epoch ", s.epoch + 1, ": rank ", r, " has ", mine,
+                " batches but rank 0 has ", first,
+                " (uneven inputs would hang DDP); use a sampler that gives "
+                "every rank the same number of samples, e.g. "
+                "DistributedSampling");
+          });
     }
     s.steps = batches.size();
     s.step = 0;
@@ -930,7 +937,7 @@ class Trainer : private CheckpointWriter {
     archive.write("best_epoch", static_cast<int64_t>(s.best_epoch));
     archive.write("bad_epochs", static_cast<int64_t>(s.bad_epochs));
     archive.write("sampler_epoch", static_cast<int64_t>(epochs_done));
-    archive.write("world_size", static_cast<int64_t>(lr_world_size()));
+    archive.write("world_size", static_cast<int64_t>(world()));
     archive.write("seed", static_cast<int64_t>(options_.seed()));
     archive.write("loss_scale", scaler_.scale());
     archive.write("global_step", s.global_step);
@@ -966,7 +973,6 @@ class Trainer : private CheckpointWriter {
     // sends its bytes; every rank parses the same bytes, so every rank
     // resumes, starts fresh or fails alike. Status: 0 fresh, 1 bytes follow,
     // 2 rank 0's error message follows.
-    const bool multi = Parallel::is_multi_process && group_.size() > 1;
     std::int64_t status = 0;
     std::string bytes;
     if (is_main()) {
@@ -981,12 +987,12 @@ class Trainer : private CheckpointWriter {
           status = 1;
         }
       } catch (const std::exception& e) {
-        if (!multi) throw;
+        if (!multi()) throw;
         status = 2;
         bytes = e.what();
       }
     }
-    if (multi) {
+    if (multi()) {
       status = dist::broadcast_value(group_, status, 0);
       if (status != 0) bytes = dist::broadcast_string(group_, bytes, 0);
     }
@@ -1032,7 +1038,7 @@ class Trainer : private CheckpointWriter {
     const int done = read_checkpoint_int(archive, "epoch_batches_done", path, 0,
                                          std::numeric_limits<int>::max());
     if (done == 0) return;
-    const std::int64_t world = lr_world_size();
+    const std::int64_t world = this->world();
     c10::IValue sums, rng;
     const bool ok = archive.try_read("epoch_sums", sums) && sums.isTensor() &&
                     sums.toTensor().numel() == 3 &&
@@ -1073,7 +1079,7 @@ class Trainer : private CheckpointWriter {
   void check_resume_settings(const Checkpoint& archive,
                              const std::filesystem::path& path) {
     using ddpkit::detail::cat;
-    const std::int64_t world = Parallel::is_multi_process ? group_.size() : 1;
+    const std::int64_t world = this->world();
     const auto seed = static_cast<std::int64_t>(options_.seed());
     std::string changes;
     c10::IValue v;
@@ -1111,7 +1117,7 @@ class Trainer : private CheckpointWriter {
     using detail::num;
     row("run", options_.run_name());
     row("mode", Parallel::name);
-    row("world_size", std::to_string(lr_world_size()));
+    row("world_size", std::to_string(world()));
     row("bn", BN::name);
     row("lr_scaling", LRScaling::name);
     row("evaluation", Reduction::name);
