@@ -22,9 +22,7 @@ multihost_begin "$out" 2
 quarter_lr=$(awk -v l="$lr" 'BEGIN { printf "%.10g", l / 4 }')
 pids=()
 for r in 0 1 2 3; do
-  host=$((r / 2))
-  on_host "$host" env RANK=$r LOCAL_RANK=$((r % 2)) WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 \
-    GROUP_RANK=$host MASTER_ADDR="$(host_addr 0)" MASTER_PORT=29513 \
+  rank_on_hosts "$r" 2 4 29513 \
     "$ddp" --out "$out/ddp" --batch-size $((batch / 4)) --lr "$quarter_lr" "${extra[@]}" \
     >"$out/rank$r.log" 2>&1 &
   pids+=($!)

@@ -11,8 +11,7 @@ source "$here/netns.sh"
 multihost_begin "$out" 2
 pids=()
 for r in 0 1 2 3; do
-  on_host $((r / 2)) env RANK=$r LOCAL_RANK=$((r % 2)) WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 \
-    MASTER_ADDR="$(host_addr 0)" MASTER_PORT=29515 GLOO_SOCKET_IFNAME=eth0 \
+  rank_on_hosts "$r" 2 4 29515 env GLOO_SOCKET_IFNAME=eth0 \
     "$ddp" --out "$out/run" --epochs 500 --batch-size 16 --synthetic-size 2400 \
     --workers 0 >"$out/rank$r.log" 2>&1 &
   pids+=($!)

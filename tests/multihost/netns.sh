@@ -9,6 +9,8 @@
 #                     every host through its own /etc/hosts) and its own
 #                     /dev/shm (mount namespace), as separate machines have.
 #   on_host I CMD...  runs CMD on host I (its network, name and /dev/shm).
+#   rank_on_hosts R PER_HOST WORLD PORT CMD...   CMD as rank R, launched
+#                     as a multi-node launcher would (below).
 #   host_addr I       prints host I's address.
 #   host_pids I       prints the pids of the processes started by on_host I
 #                     in the background (tracked by the caller).
@@ -111,6 +113,18 @@ multihost_begin() {
   rm -rf "$out"
   mkdir -p "$out"
   hosts_up "$n"
+}
+
+# rank_on_hosts R PER_HOST WORLD PORT CMD...: runs CMD as rank R of WORLD
+# on host R / PER_HOST, with the environment a multi-node launcher gives
+# (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR =
+# host 0, MASTER_PORT = PORT).
+rank_on_hosts() {
+  local r=$1 per_host=$2 world=$3 port=$4
+  shift 4
+  on_host $((r / per_host)) env RANK="$r" LOCAL_RANK=$((r % per_host)) \
+    WORLD_SIZE="$world" LOCAL_WORLD_SIZE="$per_host" GROUP_RANK=$((r / per_host)) \
+    MASTER_ADDR="$(host_addr 0)" MASTER_PORT="$port" "$@"
 }
 
 host_addr() { echo "10.213.0.$(($1 + 1))"; }
