@@ -170,7 +170,8 @@ int trainer_scaling_run() {
 }
 
 DDPKIT_WORKER(trainer_scaling) {
-  const std::string s = std::getenv("T_SCALING") ? std::getenv("T_SCALING") : "";
+  const std::string s =
+      std::getenv("T_SCALING") ? std::getenv("T_SCALING") : "";
   return s == "sqrt" ? trainer_scaling_run<SqrtScaling>()
                      : trainer_scaling_run<LinearScaling>();
 }
@@ -249,9 +250,10 @@ DDPKIT_WORKER(trainer_accumulate) {
 DDPKIT_WORKER(trainer_resume_local) {
   auto g = test::worker_group();
   const auto tag = std::string(std::getenv("T_TAG"));
-  std::freopen((test::worker_dir() / ("stdout-" + tag + std::to_string(g.rank())))
-                   .c_str(),
-               "w", stdout);
+  std::freopen(
+      (test::worker_dir() / ("stdout-" + tag + std::to_string(g.rank())))
+          .c_str(),
+      "w", stdout);
   torch::manual_seed(g.rank());
   auto d = make_data(64, 20);
   try {
@@ -279,11 +281,11 @@ DDPKIT_WORKER(trainer_resume_local) {
 /// fails (a hook throws) after that many batches in all; T_RESUME.
 DDPKIT_WORKER(trainer_mid_epoch) {
   auto g = test::worker_group();
-  std::freopen((test::worker_dir() /
-                ("stdout-" + std::string(std::getenv("T_TAG")) +
-                 std::to_string(g.rank())))
-                   .c_str(),
-               "w", stdout);
+  std::freopen(
+      (test::worker_dir() / ("stdout-" + std::string(std::getenv("T_TAG")) +
+                             std::to_string(g.rank())))
+          .c_str(),
+      "w", stdout);
   torch::manual_seed(g.rank());
   auto d = make_data(64, 20);
   const int stop_at = std::atoi(std::getenv("T_STOP_AT"));
@@ -330,9 +332,9 @@ TEST_SUITE("train") {
     for (std::string scaling : {"linear", "sqrt"}) {
       CAPTURE(scaling);
       TempDir dir;
-      REQUIRE(run_workers("trainer_scaling", 2, dir.str(),
-                          {{"T_SCALING", scaling}})
-                  .ok());
+      REQUIRE(
+          run_workers("trainer_scaling", 2, dir.str(), {{"T_SCALING", scaling}})
+              .ok());
       const auto h0 = read_file(dir / "history0"),
                  h1 = read_file(dir / "history1");
       MESSAGE(h0);
@@ -346,7 +348,8 @@ TEST_SUITE("train") {
       int rows = 0;
       for (std::size_t at = jsonl.find("\"lr\":"); at != std::string::npos;
            at = jsonl.find("\"lr\":", at + 1)) {
-        CHECK(std::stod(jsonl.substr(at + 5)) == doctest::Approx(want).epsilon(1e-9));
+        CHECK(std::stod(jsonl.substr(at + 5)) ==
+              doctest::Approx(want).epsilon(1e-9));
         ++rows;
       }
       CHECK(rows == 2);
@@ -366,7 +369,8 @@ TEST_SUITE("train") {
     CHECK(files == 6);
     int events = 0;
     for (auto& e : fs::directory_iterator(out / "tb")) {
-      events += e.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+      events +=
+          e.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
     }
     CHECK(events == 1);
     auto jsonl = read_file(out / "metrics.jsonl");
@@ -502,7 +506,8 @@ TEST_SUITE("train") {
     REQUIRE(run(b, "resumed", 4, "auto", 7, false).ok());
     const auto log0 = read_file(b / "stdout-resumed0");
     CAPTURE(log0);
-    CHECK(log0.find("resumed from " + (b / "out0/checkpoints/last.pt").string() +
+    CHECK(log0.find("resumed from " +
+                    (b / "out0/checkpoints/last.pt").string() +
                     " after epoch 2") != std::string::npos);
     auto ma = model_of(a / "out0/checkpoints/last.pt"),
          mb = model_of(b / "out0/checkpoints/last.pt");
@@ -559,8 +564,8 @@ TEST_SUITE("train") {
       CHECK(epochs.toInt() == 1);
     }
     REQUIRE(run(b, "resumed", 0, "auto").ok());
-    CHECK(read_file(b / "stdout-resumed0").find("continuing epoch 2 at batch 3") !=
-          std::string::npos);
+    CHECK(read_file(b / "stdout-resumed0")
+              .find("continuing epoch 2 at batch 3") != std::string::npos);
     auto ma = model_of(a / "out/checkpoints/last.pt"),
          mb = model_of(b / "out/checkpoints/last.pt");
     REQUIRE(ma.size() == mb.size());
@@ -627,16 +632,16 @@ TEST_SUITE("train") {
       TempDir b;
       auto res = run(b, "stopped", signal_at, "");
       CHECK(res.exit_code == 4);
-      const std::string where =
-          signal_at == 6 ? "after batch 2 of 4 in epoch 2"
-                         : "after batch 4 of 4 in epoch 2";
+      const std::string where = signal_at == 6
+                                    ? "after batch 2 of 4 in epoch 2"
+                                    : "after batch 4 of 4 in epoch 2";
       for (int r = 0; r < 2; ++r) {
         CAPTURE(r);
         const auto msg = read_file(b / ("interrupted" + std::to_string(r)));
         MESSAGE(msg);
-        CHECK(msg.rfind(std::to_string(SIGTERM) + " stopped by SIGTERM " +
-                            where,
-                        0) == 0);
+        CHECK(
+            msg.rfind(std::to_string(SIGTERM) + " stopped by SIGTERM " + where,
+                      0) == 0);
         CHECK(msg.find("--resume auto") != std::string::npos);
       }
       {
@@ -1190,7 +1195,8 @@ TEST_SUITE("train") {
                      std::to_string(n0)) != std::string::npos);
     }
     // Nothing trained: no checkpoint was written.
-    CHECK_FALSE(std::filesystem::exists(dir / "out" / "checkpoints" / "last.pt"));
+    CHECK_FALSE(
+        std::filesystem::exists(dir / "out" / "checkpoints" / "last.pt"));
   }
 
   TEST_CASE("ranks started with different world sizes fail at start-up") {
@@ -1270,16 +1276,15 @@ TEST_SUITE("train") {
     for (int accumulate : {1, 2}) {
       CAPTURE(accumulate);
       TempDir out;
-      SingleDeviceTrainer<TinyNet> trainer(TinyNet(), adam(),
-                                           base_options(out.path(), 2)
-                                               .verbose(false)
-                                               .accumulate(accumulate));
+      SingleDeviceTrainer<TinyNet> trainer(
+          TinyNet(), adam(),
+          base_options(out.path(), 2).verbose(false).accumulate(accumulate));
       EventLog log;
       trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
                   data::LoaderOptions(16).workers(0), log);
       // 48 samples, batches of 16: 3 batches per epoch.
-      CHECK(log.events == (accumulate == 1 ? "FEbsbsbseEbsbsbsef"
-                                           : "FEbbsbseEbbsbsef"));
+      CHECK(log.events ==
+            (accumulate == 1 ? "FEbsbsbseEbsbsbsef" : "FEbbsbseEbbsbsef"));
     }
   }
 
@@ -1289,20 +1294,18 @@ TEST_SUITE("train") {
     auto d = make_data(48, 10);
     TempDir out;
     auto trainer = [&](int epochs, const std::string& resume) {
-      return SingleDeviceTrainer<TinyNet>(TinyNet(), adam(),
-                                          base_options(out.path(), epochs)
-                                              .verbose(false)
-                                              .resume(resume));
+      return SingleDeviceTrainer<TinyNet>(
+          TinyNet(), adam(),
+          base_options(out.path(), epochs).verbose(false).resume(resume));
     };
     BatchCounter first;
     trainer(2, "").fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
                        data::LoaderOptions(16).workers(0), first);
     CHECK(first.batches == 6);
     BatchCounter resumed;
-    auto r = trainer(4, "auto").fit(d.train, d.val, data::CifarEval{},
-                                    data::CifarEval{},
-                                    data::LoaderOptions(16).workers(0),
-                                    resumed);
+    auto r = trainer(4, "auto").fit(
+        d.train, d.val, data::CifarEval{}, data::CifarEval{},
+        data::LoaderOptions(16).workers(0), resumed);
     CHECK(r.epochs_run == 4);
     CHECK(resumed.batches == 12);  // 6 before the resume, 6 after
     CHECK(resumed.epochs == 4);    // the checkpoint came after EpochEnd
@@ -1310,11 +1313,11 @@ TEST_SUITE("train") {
     TempDir out2;
     BatchCounter stopper;
     stopper.stop_after = 1;
-    auto r2 = SingleDeviceTrainer<TinyNet>(
-                  TinyNet(), adam(),
-                  base_options(out2.path(), 4).verbose(false))
-                  .fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
-                       data::LoaderOptions(16).workers(0), stopper);
+    auto r2 =
+        SingleDeviceTrainer<TinyNet>(
+            TinyNet(), adam(), base_options(out2.path(), 4).verbose(false))
+            .fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                 data::LoaderOptions(16).workers(0), stopper);
     CHECK(r2.epochs_run == 1);
     CHECK(r2.stopped_early);
     // Two callbacks, one name.
@@ -1421,8 +1424,8 @@ TEST_SUITE("train") {
       double worst = 0;
       for (auto& kv : a) {
         auto x = kv.value().toTensor(), y = b.at(kv.key()).toTensor();
-        worst = std::max(worst, ((x - y).abs().max() / y.abs().max())
-                                    .item<double>());
+        worst = std::max(worst,
+                         ((x - y).abs().max() / y.abs().max()).item<double>());
       }
       return worst;
     };
@@ -1439,9 +1442,10 @@ TEST_SUITE("train") {
     CHECK(clip_effect > 1e-2);
     std::uint64_t collectives[2] = {0, 0};
     int i = 0;
-    for (const Run& run : {Run{"batch 10, no accumulation", 10, 1, 0.0},
-                           Run{"batches 4+4+2 per step", 4, 3, 0.0},
-                           Run{"batches 4+4+2 per step, clipped", 4, 3, clip}}) {
+    for (const Run& run :
+         {Run{"batch 10, no accumulation", 10, 1, 0.0},
+          Run{"batches 4+4+2 per step", 4, 3, 0.0},
+          Run{"batches 4+4+2 per step, clipped", 4, 3, clip}}) {
       CAPTURE(run.what);
       TempDir dir;
       auto res = run_workers("trainer_accumulate", 2, dir.str(),
@@ -1474,8 +1478,9 @@ TEST_SUITE("train") {
     CHECK(collectives[1] == collectives[0]);
   }
 
-  TEST_CASE("clip_gradients equals torch.nn.utils.clip_grad_norm_ and "
-            "clip_grad_value_") {
+  TEST_CASE(
+      "clip_gradients equals torch.nn.utils.clip_grad_norm_ and "
+      "clip_grad_value_") {
     TempDir dir;
     torch::manual_seed(5);
     std::vector<std::pair<std::string, torch::Tensor>> items;
@@ -1549,18 +1554,17 @@ sys.exit(0 if worst < 1e-6 else 1)
                          doctest::Contains("accumulate 0 must be >= 1"),
                          UsageError);
     CHECK_THROWS_WITH_AS(
-        make(base_options(out.path(), 1).clip(
-            train::ClipOptions().max_norm(1).max_value(1))),
-        doctest::Contains("by norm (1) or by value (1), not both"),
-        UsageError);
+        make(base_options(out.path(), 1)
+                 .clip(train::ClipOptions().max_norm(1).max_value(1))),
+        doctest::Contains("by norm (1) or by value (1), not both"), UsageError);
     CHECK_THROWS_WITH_AS(
-        make(base_options(out.path(), 1).clip(
-            train::ClipOptions().max_norm(-1))),
+        make(base_options(out.path(), 1)
+                 .clip(train::ClipOptions().max_norm(-1))),
         doctest::Contains("clip max_norm -1 must be a finite number >= 0"),
         UsageError);
     CHECK_THROWS_WITH_AS(
-        make(base_options(out.path(), 1).clip(
-            train::ClipOptions().max_norm(1).norm_type(0))),
+        make(base_options(out.path(), 1)
+                 .clip(train::ClipOptions().max_norm(1).norm_type(0))),
         doctest::Contains("clip norm_type 0 must be > 0"), UsageError);
   }
 }
