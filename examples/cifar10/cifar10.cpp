@@ -90,9 +90,11 @@ int main(int argc, char** argv) {
             ddpkit::data::split_train_val(train_all, kValRatio, args.seed);
         if (group.is_main() && !args.quiet) {
           std::printf(
-              "cifar10 %s: world size %d (transport %s), %zu train / %zu val "
+              "cifar10 %s: world size %d on %d host%s (transport %s), %zu "
+              "train / %zu val "
               "/ %zu test images (%s)%s%s\n",
               Mode::name, Mode::is_multi_process ? group.size() : 1,
+              group.hosts(), group.hosts() == 1 ? "" : "s",
               Mode::is_multi_process ? group.transport().c_str() : "none",
               split.train.size(), split.val.size(), test.size(),
               args.data.empty() ? "built-in synthetic set" : args.data.c_str(),

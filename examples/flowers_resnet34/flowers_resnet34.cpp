@@ -131,9 +131,11 @@ int main(int argc, char** argv) {
         num_classes = static_cast<int>(folder.classes.size());
         if (group.is_main() && !args.quiet) {
           std::printf(
-              "flowers-resnet34 %s: world size %d (transport %s), %zu train / "
+              "flowers-resnet34 %s: world size %d on %d host%s (transport %s), "
+              "%zu train / "
               "%zu val images, %d classes, %dpx\n",
               Mode::name, Mode::is_multi_process ? group.size() : 1,
+              group.hosts(), group.hosts() == 1 ? "" : "s",
               Mode::is_multi_process ? group.transport().c_str() : "none",
               folder.train.size(), folder.val.size(), num_classes, image_size);
         }

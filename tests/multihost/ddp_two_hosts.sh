@@ -8,8 +8,10 @@
 # example scales the lr by the world size), both with ARGS (augmentation
 # off), one step; the updates agree to MAX_REL (relative L2; see
 # tests/examples/single_equals_ddp.sh for why not 1e-5). The ranks must
-# find that they are not all on one host: summary.json and rank 0's first
-# line say transport "gloo" (no shared memory across hosts).
+# find the two hosts: rank 0's first line says "on 2 hosts", and it and
+# summary.json name the transport EXPECT_TRANSPORT (default "hierarchical
+# shm+gloo": sums through each host's /dev/shm, gloo between the hosts'
+# leaders; with DDPKIT_ALLREDUCE=flat it is "gloo").
 set -euo pipefail
 out=$1 single=$2 ddp=$3 args=$4 batch=$5 lr=$6 max_rel=$7
 here=$(dirname "$0")
@@ -37,10 +39,11 @@ for r in 0 1 2 3; do
 done
 ((failed == 0)) || exit 1
 head -1 "$out/rank0.log"
-grep -q "world size 4 (transport gloo)" "$out/rank0.log" ||
-  { echo "rank 0 does not report 'world size 4 (transport gloo)'"; exit 1; }
-grep -q '"transport": "gloo"' "$out/ddp/summary.json" ||
-  { echo "summary.json does not say transport gloo:"; cat "$out/ddp/summary.json"; exit 1; }
+transport=${EXPECT_TRANSPORT:-hierarchical shm+gloo}
+grep -q "world size 4 on 2 hosts (transport $transport)" "$out/rank0.log" ||
+  { echo "rank 0 does not report 'world size 4 on 2 hosts (transport $transport)'"; exit 1; }
+grep -q "\"transport\": \"$transport\"" "$out/ddp/summary.json" ||
+  { echo "summary.json does not say transport $transport:"; cat "$out/ddp/summary.json"; exit 1; }
 "$py" "$here/../examples/compare_updates.py" "$out/init/weights/model-0.pt" \
   "$out/single/weights/model-0.pt" "$out/ddp/weights/model-0.pt" "$max_rel" same \
   "single (batch 4B) vs DDP on 2 hosts x 2 ranks (batch B)"

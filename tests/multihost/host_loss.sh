@@ -3,7 +3,8 @@
 # Two hosts (tests/multihost/netns.sh), two ranks on each, training DDP;
 # once an epoch is done every process on host 1 is killed (SIGKILL, as a
 # machine that loses power). Host 0's ranks must stop on their own within
-# 10 s with a non-zero exit and a message naming the failed collective.
+# 10 s with a non-zero exit and a message naming the failed collective and
+# the lost host and its ranks.
 set -euo pipefail
 out=$1 ddp=$2
 here=$(dirname "$0")
@@ -44,5 +45,9 @@ for r in 0 1; do
   echo "rank $r: exit $rc within ${ms} ms: $msg"
   if ((rc == 0)); then echo "FAILED: rank $r exited 0"; status=1; fi
   if [[ $msg != *"failed"* ]]; then echo "FAILED: rank $r's message names no failed operation"; status=1; fi
+  if [[ $msg != *"every rank of host 'ddpkit-host1' (ranks 2, 3) did not answer"* ]]; then
+    echo "FAILED: rank $r's message does not name the lost host and ranks"
+    status=1
+  fi
 done
 exit $status

@@ -8,6 +8,9 @@
 #                     name (ddpkit-host<i>, UTS namespace, resolvable on
 #                     every host through its own /etc/hosts) and its own
 #                     /dev/shm (mount namespace), as separate machines have.
+#                     With NETNS_SAME_NAME=1 every host is named
+#                     "ddpkit-node" (as containers often are), a name no
+#                     /etc/hosts lists: gloo then needs GLOO_SOCKET_IFNAME.
 #   on_host I CMD...  runs CMD on host I (its network, name and /dev/shm).
 #   rank_on_hosts R PER_HOST WORLD PORT CMD...   CMD as rank R, launched
 #                     as a multi-node launcher would (below).
@@ -62,7 +65,8 @@ hosts_up() {
   NETNS_HOSTS_FILE=$(mktemp /tmp/ddpkit-netns-hosts.XXXXXX)
   {
     echo "127.0.0.1 localhost"
-    for ((i = 0; i < n; i++)); do echo "$(host_addr "$i") ddpkit-host$i"; done
+    [[ ${NETNS_SAME_NAME:-} == 1 ]] ||
+      for ((i = 0; i < n; i++)); do echo "$(host_addr "$i") ddpkit-host$i"; done
   } >"$NETNS_HOSTS_FILE"
   chmod 644 "$NETNS_HOSTS_FILE"
   local sw="ip -n $NETNS_PREFIX-sw"
@@ -83,10 +87,11 @@ hosts_up() {
     ip -n "$ns" link set lo up
     # The host's own name and /dev/shm, held by a process that on_host
     # joins.
-    local ready
+    local ready name=ddpkit-host$i
+    [[ ${NETNS_SAME_NAME:-} != 1 ]] || name=ddpkit-node
     ready=$(mktemp -u /tmp/ddpkit-netns-ready.XXXXXX)
     ip netns exec "$ns" unshare --uts --mount --propagation private \
-      bash -c "hostname ddpkit-host$i && mount -t tmpfs -o size=2g tmpfs /dev/shm && mount --bind $NETNS_HOSTS_FILE /etc/hosts && touch $ready && exec sleep infinity" &
+      bash -c "hostname $name && mount -t tmpfs -o size=2g tmpfs /dev/shm && mount --bind $NETNS_HOSTS_FILE /etc/hosts && touch $ready && exec sleep infinity" &
     NETNS_HOLDERS+=($!)
     disown
     local t=0

@@ -5,7 +5,8 @@
 # --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint HOST0:PORT`, so
 # four ranks on two hosts meet through torchrun's own rendezvous. The run
 # must finish on both hosts, and summary.json must say world size 4 and
-# transport "gloo" (no shared memory across hosts).
+# transport "hierarchical shm+gloo" (sums through each host's /dev/shm,
+# gloo between the two hosts' leaders).
 set -euo pipefail
 out=$1 ddp=$2
 shift 2
@@ -35,7 +36,7 @@ done
 grep -m1 "world size" "$out/host0.log" || true
 grep -q '"world_size": 4' "$out/run/summary.json" ||
   { echo "FAILED: summary.json does not say world_size 4"; cat "$out/run/summary.json"; exit 1; }
-grep -q '"transport": "gloo"' "$out/run/summary.json" ||
-  { echo "FAILED: summary.json does not say transport gloo"; cat "$out/run/summary.json"; exit 1; }
-grep -o '"transport": "[a-z+]*"' "$out/run/summary.json"
+grep -q '"transport": "hierarchical shm+gloo"' "$out/run/summary.json" ||
+  { echo "FAILED: summary.json does not say transport hierarchical shm+gloo"; cat "$out/run/summary.json"; exit 1; }
+grep -o '"transport": "[a-z+ ]*"' "$out/run/summary.json"
 echo "torchrun across two hosts: ok"

@@ -61,6 +61,7 @@ template <class Fn>
 int launch(int argc, char** argv, int world_size, Fn&& fn,
            GroupOptions opts = {}) {
   int rank = -1;
+  Group group;
   try {
     if (world_size > 1 && !is_spawned_rank() && !std::getenv("RANK")) {
       std::vector<std::string> args(argv + 1, argv + argc);
@@ -82,7 +83,7 @@ int launch(int argc, char** argv, int world_size, Fn&& fn,
                      env.rank);
       }
     }
-    Group group = Group::init(env, opts);
+    group = Group::init(env, opts);
     return fn(group);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
@@ -91,7 +92,10 @@ int launch(int argc, char** argv, int world_size, Fn&& fn,
     if (rank <= 0) std::fprintf(stderr, "%s\n", e.what());
     return 128 + e.signal();
   } catch (const PeerFailure& e) {
-    std::fprintf(stderr, "error (rank %d): %s\n", rank, e.what());
+    // Name the ranks (and hosts) that are gone, when some are.
+    const std::string lost = group.unanswered(std::chrono::seconds(3));
+    std::fprintf(stderr, "error (rank %d): %s%s%s\n", rank, e.what(),
+                 lost.empty() ? "" : "; ", lost.c_str());
     return kPeerFailureExitCode;
   } catch (const std::exception& e) {
     if (rank >= 0) {

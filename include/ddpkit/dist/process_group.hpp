@@ -9,17 +9,22 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/dist/compat.hpp"
 #include "ddpkit/dist/env.hpp"
 #include "ddpkit/dist/shm.hpp"
+#include "ddpkit/dist/topology.hpp"
 
 namespace ddpkit::dist {
 
@@ -38,6 +43,19 @@ enum class NcclErrorHandling {
   /// collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING=1). Fewer host
   /// synchronisations; the error is the watchdog's log line.
   async_teardown,
+};
+
+/// How all-reduces of CPU tensors travel when ranks span several hosts.
+enum class AllReduceAlgorithm {
+  /// Hierarchical when some host has several ranks (and shared memory is
+  /// on), flat otherwise.
+  automatic,
+  /// Every rank in one gloo all-reduce (shared memory only when every rank
+  /// is on one host).
+  flat,
+  /// Sum inside each host through shared memory, all-reduce between one
+  /// leader per host over gloo, hand the result back through shared memory.
+  hierarchical,
 };
 
 /// How to meet the other ranks and talk to them.
@@ -61,6 +79,11 @@ struct GroupOptions {
   /// faster; see dist/shm.hpp). The environment variable `DDPKIT_SHM=0`
   /// turns it off, `DDPKIT_SHM=1` on.
   TORCH_ARG(bool, shared_memory) = true;
+  /// Flat or hierarchical all-reduce across hosts (see AllReduceAlgorithm).
+  /// The environment variable `DDPKIT_ALLREDUCE` (auto, flat or
+  /// hierarchical) overrides it.
+  TORCH_ARG(AllReduceAlgorithm,
+            all_reduce_algorithm) = AllReduceAlgorithm::automatic;
   /// What an NCCL collective that fails or never completes does (see
   /// NcclErrorHandling). A value the user set in the environment
   /// (TORCH_NCCL_BLOCKING_WAIT / TORCH_NCCL_ASYNC_ERROR_HANDLING) wins.
@@ -157,11 +180,32 @@ class Group {
       }
       shm = s == "1";
     }
+    const auto algorithm = all_reduce_algorithm(opts);
+    if (algorithm == AllReduceAlgorithm::hierarchical &&
+        !(shm && g.device_.is_cpu())) {
+      throw UsageError(
+          g.device_.is_cpu()
+              ? "all-reduce 'hierarchical' needs the shared-memory channel, "
+                "which is turned off (DDPKIT_SHM=0 or "
+                "GroupOptions::shared_memory(false))"
+              : "all-reduce 'hierarchical' is for CPU tensors over gloo; "
+                "NCCL arranges CUDA all-reduces across hosts itself "
+                "(use 'auto' or 'flat')");
+    }
+    g.topology_ = Topology::discover(g.store_, env.rank, env.world_size);
+    if (env.rank == 0 && !g.topology_.consistent) {
+      std::fprintf(stderr,
+                   "ddpkit: the ranks disagree on which of them share "
+                   "/dev/shm; shared memory is not used\n");
+    }
+    g.hierarchical_ = g.topology_.hosts() > 1 &&
+                      (algorithm == AllReduceAlgorithm::hierarchical ||
+                       (algorithm == AllReduceAlgorithm::automatic &&
+                        g.topology_.max_per_host() > 1));
     if (shm && g.device_.is_cpu()) {
       // A collective through the channel waits as long as one over gloo
       // (the collective timeout, not the rendezvous one).
-      g.shm_ =
-          connect_shm(g.store_, "ddpkit/default_pg/shm", env, coll_timeout);
+      g.shm_ = g.connect_channel("ddpkit/default_pg/shm");
     }
     return g;
   }
@@ -200,11 +244,23 @@ class Group {
   }
   /// How this group's collectives travel: "none" (a world of one),
   /// "shm+gloo" (every rank on this host: sums through shared memory, the
-  /// rest over gloo), "gloo" or "nccl".
+  /// rest over gloo), "hierarchical shm+gloo" (ranks on several hosts: sums
+  /// through shared memory inside each host and gloo between the hosts'
+  /// leaders, the rest over gloo), "gloo" or "nccl".
   std::string transport() const {
     if (env_.world_size == 1 || !backend_) return "none";
-    if (shm_) return "shm+gloo";
+    if (shm_)
+      return shm_->hierarchical() ? "hierarchical shm+gloo" : "shm+gloo";
     return device_.is_cuda() ? "nccl" : "gloo";
+  }
+  /// Which ranks share a host (as shared memory sees it); empty in a world
+  /// of one.
+  const Topology& topology() const {
+    return topology_;
+  }
+  /// How many hosts the ranks run on.
+  int hosts() const {
+    return topology_.hosts();
   }
   /// The rendezvous store; null in a world of one.
   const compat::StorePtr& store() const {
@@ -238,11 +294,63 @@ class Group {
       g->bytes_ = bytes_;
       auto side_store = compat::make_prefix_store("ddpkit/side", store_);
       g->backend_ = make_backend(side_store, env_, g->opts_, timeout_);
-      if (shm_)
-        g->shm_ = connect_shm(store_, "ddpkit/side/shm", env_, timeout_);
+      g->topology_ = topology_;
+      g->hierarchical_ = hierarchical_;
+      if (shm_) g->shm_ = g->connect_channel("ddpkit/side/shm");
       side_->group = std::move(g);
     }
     return *side_->group;
+  }
+
+  /// After a failed collective: which ranks no longer answer. Every rank
+  /// still running that gets here posts a key in the store; those whose key
+  /// does not appear within `wait` are named, by host ("every rank of host
+  /// 'b' (ranks 2, 3)"). Empty when every rank answered, in a world of one,
+  /// or when the store does not answer either (its host may be the one
+  /// lost): the call never takes much longer than `wait`.
+  std::string unanswered(std::chrono::milliseconds wait) const {
+    if (env_.world_size == 1 || !store_) return "";
+    struct Shared {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+      std::string text;
+    };
+    auto shared = std::make_shared<Shared>();
+    std::thread([shared, store = store_, topo = topology_, rank = env_.rank,
+                 world = env_.world_size, wait] {
+      std::string text;
+      try {
+        using ddpkit::detail::cat;
+        store->set(cat("ddpkit/alive/", rank), std::vector<uint8_t>{1});
+        const auto deadline = std::chrono::steady_clock::now() + wait;
+        std::vector<bool> seen(static_cast<std::size_t>(world), false);
+        int missing = world;
+        while (missing > 0) {
+          missing = 0;
+          for (int r = 0; r < world; ++r) {
+            auto s = seen[static_cast<std::size_t>(r)];
+            if (!s) s = store->check({cat("ddpkit/alive/", r)});
+            missing += s ? 0 : 1;
+          }
+          if (missing == 0 || std::chrono::steady_clock::now() > deadline) {
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        text = describe_missing(seen, topo, wait);
+      } catch (...) {
+        text.clear();  // the store is gone too: nothing to add
+      }
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->text = std::move(text);
+      shared->done = true;
+      shared->cv.notify_all();
+    }).detach();
+    std::unique_lock<std::mutex> lock(shared->mu);
+    shared->cv.wait_for(lock, wait + std::chrono::seconds(1),
+                        [&] { return shared->done; });
+    return shared->text;
   }
 
   /// How many collectives this group (and its copies) has started: every
@@ -403,20 +511,126 @@ class Group {
     }
   }
 
-  // The shared-memory channel under `prefix` of the store (null unless
-  // every rank is on this host); a failure to set it up is a DistError.
-  static std::shared_ptr<ShmChannel> connect_shm(
-      const compat::StorePtr& store, const std::string& prefix,
-      const DistEnv& env, std::chrono::milliseconds timeout) {
+  // "every rank of host 'b' (ranks 2, 3) and rank 5 on host 'c' did not
+  // answer within 3 s", or "" when every rank answered.
+  static std::string describe_missing(const std::vector<bool>& seen,
+                                      const Topology& topo,
+                                      std::chrono::milliseconds wait) {
+    using ddpkit::detail::cat;
+    const int world = static_cast<int>(seen.size());
+    const bool known = topo.world() == world;
+    std::string text;
+    std::vector<bool> said(seen.size(), false);
+    for (int r = 0; r < world; ++r) {
+      if (seen[static_cast<std::size_t>(r)] ||
+          said[static_cast<std::size_t>(r)]) {
+        continue;
+      }
+      if (!text.empty()) text += " and ";
+      if (!known) {
+        text += cat("rank ", r);
+        continue;
+      }
+      const int host = topo.host_of[static_cast<std::size_t>(r)];
+      const auto on = topo.ranks_on(host);
+      bool all = true;
+      for (int q : on) all = all && !seen[static_cast<std::size_t>(q)];
+      if (all && on.size() > 1) {
+        std::string list;
+        for (int q : on) {
+          list += cat(list.empty() ? "" : ", ", q);
+          said[static_cast<std::size_t>(q)] = true;
+        }
+        text += cat("every rank of host '",
+                    topo.host_name[static_cast<std::size_t>(r)], "' (ranks ",
+                    list, ")");
+      } else {
+        text += cat("rank ", r, " on host '",
+                    topo.host_name[static_cast<std::size_t>(r)], "'");
+      }
+    }
+    if (text.empty()) return text;
+    return cat(text, " did not answer within ", wait.count() / 1000.0,
+               " s (lost, or stuck elsewhere)");
+  }
+
+  static AllReduceAlgorithm all_reduce_algorithm(const GroupOptions& opts) {
+    const char* v = std::getenv("DDPKIT_ALLREDUCE");
+    if (v == nullptr) return opts.all_reduce_algorithm();
+    const std::string s = v;
+    if (s == "auto") return AllReduceAlgorithm::automatic;
+    if (s == "flat") return AllReduceAlgorithm::flat;
+    if (s == "hierarchical") return AllReduceAlgorithm::hierarchical;
+    throw UsageError(
+        ddpkit::detail::cat("environment variable DDPKIT_ALLREDUCE='", s,
+                            "' must be auto, flat or hierarchical"));
+  }
+
+  // The shared-memory channel under `prefix` of the store, or null on every
+  // rank: over all ranks when they share one host; else, for a hierarchical
+  // all-reduce, over this host's ranks, with the leaders' gloo group
+  // between hosts. A failure to set it up is a DistError.
+  std::shared_ptr<ShmChannel> connect_channel(const std::string& prefix) const {
+    using ddpkit::detail::cat;
     try {
-      return ShmChannel::connect(compat::make_prefix_store(prefix, store),
-                                 env.rank, env.world_size, timeout);
+      if (topology_.hosts() == 1) {
+        return ShmChannel::connect(compat::make_prefix_store(prefix, store_),
+                                   env_.rank, env_.world_size, timeout_);
+      }
+      if (!hierarchical_) return nullptr;
+      const int host = topology_.host_of[static_cast<std::size_t>(env_.rank)];
+      const int local = topology_.local_index(env_.rank);
+      ShmChannel::BetweenHosts between;
+      between.enabled = true;
+      if (local == 0) {
+        between.leaders =
+            make_gloo(compat::make_prefix_store(prefix + "/leaders", store_),
+                      env_, host, topology_.hosts(), opts_, timeout_);
+      }
+      auto ch = ShmChannel::connect(
+          compat::make_prefix_store(cat(prefix, "/host", host), store_), local,
+          static_cast<int>(topology_.ranks_on(host).size()), timeout_,
+          std::move(between));
+      // Every host has its channel, or none is used: a host without one
+      // would send its sums over the flat group while the others wait for
+      // its leader.
+      if (!detail::all_ranks_say(store_, prefix + "/ok/", env_.rank,
+                                 env_.world_size, ch ? "1" : "0")) {
+        return nullptr;
+      }
+      return ch;
     } catch (const c10::Error& e) {
       std::string what = e.what_without_backtrace();
-      throw DistError(ddpkit::detail::cat("rank ", env.rank,
-                                          ": setting up shared memory failed: ",
-                                          what.substr(0, what.find('\n'))));
+      throw DistError(cat("rank ", env_.rank,
+                          ": setting up shared memory failed: ",
+                          what.substr(0, what.find('\n'))));
     }
+  }
+
+  // A gloo backend of `size` ranks over `store`, bound where the options
+  // and environment say (see GroupOptions::bind_address).
+  static compat::BackendPtr make_gloo(const compat::StorePtr& store,
+                                      const DistEnv& env, int rank, int size,
+                                      const GroupOptions& opts,
+                                      std::chrono::milliseconds timeout) {
+#if defined(USE_C10D_GLOO)
+    std::string addr = opts.bind_address();
+    bool is_iface = false;
+    if (addr.empty()) {
+      if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+        addr = ifname;
+        is_iface = true;
+      } else if (detail::is_loopback(env.master_addr)) {
+        addr = "127.0.0.1";
+      }
+    }
+    return compat::make_gloo(store, rank, size, timeout, addr, is_iface);
+#else
+    (void)store, (void)env, (void)rank, (void)size, (void)opts, (void)timeout;
+    throw UsageError(
+        "backend gloo requested, but libtorch was built "
+        "without it");
+#endif
   }
 
   static compat::BackendPtr make_backend(const compat::StorePtr& store,
@@ -445,24 +659,7 @@ class Group {
             "has no NCCL (libtorch without CUDA)");
 #endif
       }
-#if defined(USE_C10D_GLOO)
-      std::string addr = opts.bind_address();
-      bool is_iface = false;
-      if (addr.empty()) {
-        if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
-          addr = ifname;
-          is_iface = true;
-        } else if (detail::is_loopback(env.master_addr)) {
-          addr = "127.0.0.1";
-        }
-      }
-      return compat::make_gloo(prefixed, env.rank, env.world_size, timeout,
-                               addr, is_iface);
-#else
-      throw UsageError(
-          "backend gloo requested, but libtorch was built "
-          "without it");
-#endif
+      return make_gloo(prefixed, env, env.rank, env.world_size, opts, timeout);
     } catch (const c10::Error& e) {
       std::string what = e.what_without_backtrace();
       throw DistError(cat("rank ", env.rank,
@@ -482,6 +679,8 @@ class Group {
   compat::StorePtr store_;
   compat::BackendPtr backend_;
   std::shared_ptr<ShmChannel> shm_;
+  Topology topology_;
+  bool hierarchical_ = false;  // ranks span hosts and sums go hierarchically
   std::shared_ptr<Side> side_ = std::make_shared<Side>();
   std::chrono::milliseconds timeout_{std::chrono::seconds(300)};
   torch::Device device_{torch::kCPU};

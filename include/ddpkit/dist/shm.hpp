@@ -13,6 +13,11 @@
 // noticed within about 10 ms (its pid is watched) and every waiting rank
 // fails with `PeerFailure` naming it; a rank that stops arriving fails the
 // others after the group's collective timeout.
+//
+// Across hosts, each host's ranks share such a channel and it becomes the
+// inner level of a hierarchical all-reduce (see ShmChannel): sums inside a
+// host through shared memory, between hosts one gloo all-reduce among the
+// hosts' leaders.
 #pragma once
 
 #include <fcntl.h>
@@ -28,6 +33,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <fstream>
@@ -43,6 +49,7 @@
 
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/dist/compat.hpp"
+#include "ddpkit/dist/topology.hpp"
 
 namespace ddpkit::dist {
 
@@ -56,35 +63,6 @@ class ChannelWork : public c10d::Work {
     finish(std::move(error));
   }
 };
-
-inline std::string host_identity() {
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  std::string boot;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot);
-  return std::string(host) + "/" + boot;
-}
-
-inline std::vector<uint8_t> to_bytes(const std::string& s) {
-  return {s.begin(), s.end()};
-}
-
-inline std::string from_bytes(const std::vector<uint8_t>& b) {
-  return {b.begin(), b.end()};
-}
-
-/// Every rank posts `value` under `key`/<rank>; true on every rank iff all
-/// posted the same value (a collective over the store).
-inline bool all_ranks_say(const compat::StorePtr& store, const std::string& key,
-                          int rank, int world, const std::string& value) {
-  store->set(ddpkit::detail::cat(key, rank), to_bytes(value));
-  bool same = true;
-  for (int r = 0; r < world; ++r) {
-    same &= from_bytes(store->get(ddpkit::detail::cat(key, r))) == value;
-  }
-  return same;
-}
 
 }  // namespace detail
 
@@ -202,29 +180,43 @@ class ShmArena {
   int rank_;
 };
 
+/// The level between hosts of a hierarchical all-reduce (ShmChannel).
+struct ShmBetweenHosts {
+  /// The channel is one host's part of a hierarchical all-reduce.
+  bool enabled = false;
+  /// The leaders' group (on the host's leader only; null elsewhere).
+  compat::BackendPtr leaders;
+};
+
 /// Shared-memory all-reduce (sum) among ranks on one host. Created by
-/// `Group::init` when every rank is on this host (option
+/// `Group::init` for the ranks that share this host's /dev/shm (option
 /// `GroupOptions::shared_memory`, environment `DDPKIT_SHM=0` to turn off);
 /// `all_reduce_async` routes eligible tensors here.
+///
+/// When ranks span several hosts, each host's channel is one level of a
+/// hierarchical all-reduce: the host's ranks sum into its leader (its
+/// lowest rank) through shared memory, the leaders all-reduce over their
+/// own gloo group (`between_hosts`), and each leader hands the result to
+/// its host's ranks through shared memory. Every rank gets the leaders'
+/// bits, so every rank of every host ends with the same result.
 class ShmChannel {
  public:
   /// Bytes of one rank's slot; tensors travel in chunks of this size.
   static constexpr int64_t kSlotBytes = 2 << 20;
 
-  /// Collective over `store`: returns null on every rank unless every rank
-  /// is on this host and could map the segment. `timeout`: how long one
+  /// The level between hosts of a hierarchical all-reduce.
+  using BetweenHosts = ShmBetweenHosts;
+
+  /// Collective over `store` among the `world` ranks that share this host's
+  /// /dev/shm (`rank` is this rank's index among them): null on every one of
+  /// them unless each could map the segment. `timeout`: how long one
   /// collective through the channel waits for the others (the group's
   /// collective timeout).
-  static std::shared_ptr<ShmChannel> connect(
-      const compat::StorePtr& store, int rank, int world,
-      std::chrono::milliseconds timeout) {
-    using ddpkit::detail::cat;
+  static std::shared_ptr<ShmChannel> connect(const compat::StorePtr& store,
+                                             int rank, int world,
+                                             std::chrono::milliseconds timeout,
+                                             BetweenHosts between = {}) {
     const std::string k = "ddpkit/shm/";
-    if (!detail::all_ranks_say(store, k + "host/", rank, world,
-                               detail::host_identity())) {
-      return nullptr;  // the same answer on every rank
-    }
-
     const std::size_t total =
         header_bytes(world) + 2 * static_cast<std::size_t>(world) * kSlotBytes;
     // Rank 0 allocates the header; each rank its two slots.
@@ -238,10 +230,15 @@ class ShmChannel {
     }
     auto seg = ShmSegment::create(store, k, rank, world, total, mine);
     if (!seg) return nullptr;
-    std::shared_ptr<ShmChannel> ch(
-        new ShmChannel(std::move(seg), store, rank, world, timeout));
+    std::shared_ptr<ShmChannel> ch(new ShmChannel(
+        std::move(seg), store, rank, world, timeout, std::move(between)));
     ch->start();
     return ch;
+  }
+
+  /// Whether this channel is one host's part of a hierarchical all-reduce.
+  bool hierarchical() const {
+    return between_.enabled;
   }
 
   /// Collective: a zeroed buffer of `numel` elements of `dtype` in shared
@@ -380,6 +377,9 @@ class ShmChannel {
     // barrier may announce the next one while others still read this one
     // (an empty tensor has no second barrier), but it cannot get further.
     OpDesc desc[2];
+    // The leader's outcome of the all-reduce between hosts (hierarchical).
+    int32_t failed;
+    char what[200];
   };
   static std::size_t header_bytes(int world) {
     std::size_t b = sizeof(RankLine) * static_cast<std::size_t>(world);
@@ -387,12 +387,13 @@ class ShmChannel {
   }
 
   ShmChannel(std::shared_ptr<ShmSegment> seg, compat::StorePtr store, int rank,
-             int world, std::chrono::milliseconds timeout)
+             int world, std::chrono::milliseconds timeout, BetweenHosts between)
       : seg_(std::move(seg)),
         store_(std::move(store)),
         rank_(rank),
         world_(world),
-        timeout_(timeout) {
+        timeout_(timeout),
+        between_(std::move(between)) {
     lines_ = reinterpret_cast<RankLine*>(seg_->data());
     data_ = seg_->data() + header_bytes(world);
     lines_[rank_].pid = static_cast<int32_t>(::getpid());
@@ -455,7 +456,13 @@ class ShmChannel {
     std::exception_ptr error = broken_;
     if (!error) {
       try {
-        if (op.arena) {
+        if (between_.enabled) {
+          if (op.arena) {
+            hierarchical_in_place(op);
+          } else {
+            hierarchical_reduce(op.tensor, op.scale);
+          }
+        } else if (op.arena) {
           reduce_in_place(op);
         } else {
           reduce(op.tensor, op.scale);
@@ -478,17 +485,18 @@ class ShmChannel {
 
   // Every rank arrives at the next barrier: publishes its sequence number
   // and waits until every other rank has published it too.
-  void barrier() {
+  // `timeout`: how long to wait (default: the collective timeout).
+  void barrier(std::chrono::milliseconds timeout = {}) {
     const uint32_t target = ++seq_;
     lines_[rank_].seq.store(target, std::memory_order_release);
     futex_wake(&lines_[rank_].seq);
-    wait_all(target);
+    wait_all(target, timeout.count() > 0 ? timeout : timeout_);
   }
 
   // Waits until every rank's sequence word has reached `target`.
-  void wait_all(uint32_t target) {
+  void wait_all(uint32_t target, std::chrono::milliseconds timeout) {
     using clock = std::chrono::steady_clock;
-    const auto deadline = clock::now() + timeout_;
+    const auto deadline = clock::now() + timeout;
     for (int q = 0; q < world_; ++q) {
       if (q == rank_) continue;
       auto& seq = lines_[q].seq;
@@ -514,7 +522,7 @@ class ShmChannel {
         if (clock::now() > deadline) {
           throw PeerFailure(ddpkit::detail::cat(
               "rank ", rank_, ": shared-memory all-reduce: rank ", q,
-              " did not arrive within ", timeout_.count() / 1000.0, " s"));
+              " did not arrive within ", timeout.count() / 1000.0, " s"));
         }
       }
     }
@@ -579,8 +587,9 @@ class ShmChannel {
   }
 
   // Through the slots, in chunks: copy in, reduce my slice of every rank's
-  // chunk, copy every reduced slice out.
-  void reduce(torch::Tensor& t, double scale) {
+  // chunk, copy every reduced slice out (to every rank, or with
+  // `leader_only` to rank 0 alone).
+  void reduce(torch::Tensor& t, double scale, bool leader_only = false) {
     const int64_t es = static_cast<int64_t>(t.element_size());
     const int64_t per_chunk = kSlotBytes / es;
     const int64_t n = t.numel();
@@ -607,7 +616,7 @@ class ShmChannel {
                    opts, scale);
       barrier();
       // 3. every rank's reduced slice out
-      for (int q = 0; q < world_; ++q) {
+      for (int q = 0; q < world_ && !(leader_only && rank_ != 0); ++q) {
         auto [qlo, qhi] = slice(len, q);
         std::memcpy(src + qlo * es, slot(b, q) + qlo * es,
                     static_cast<std::size_t>((qhi - qlo) * es));
@@ -642,11 +651,97 @@ class ShmChannel {
     barrier();
   }
 
+  // Hierarchical, between the two halves on this host: the leader (rank 0
+  // here) all-reduces the host's sum in `t` over the leaders' group and
+  // scales it, then every rank of the host meets it at a barrier and learns
+  // the outcome from the leader's line. A failure there fails the operation
+  // on every rank of the host; the channel itself stays usable (its
+  // barriers stayed in step), so a type gloo cannot add fails only that
+  // all-reduce.
+  void leaders_all_reduce(torch::Tensor& t, double scale) {
+    auto& line = lines_[rank_];
+    if (rank_ == 0) {
+      line.failed = 0;
+      try {
+        std::vector<torch::Tensor> ts{t};
+        c10d::AllreduceOptions o;
+        o.reduceOp = compat::reduce_sum();
+        between_.leaders->allreduce(ts, o)->wait();
+        if (scale != 1.0) t.mul_(scale);
+      } catch (const std::exception& e) {
+        std::string what = e.what();
+        std::snprintf(line.what, sizeof line.what, "%s",
+                      what.substr(0, what.find('\n')).c_str());
+        line.failed = 1;
+      }
+    }
+    // The leader may wait a whole collective timeout between hosts: the
+    // others wait longer, so the leader's error is the one reported.
+    barrier(timeout_ * 2 + std::chrono::seconds(10));
+    if (lines_[0].failed != 0) {
+      throw PeerFailure(ddpkit::detail::cat(
+          "the all-reduce between hosts failed on this host's leader: ",
+          lines_[0].what));
+    }
+  }
+
+  // Through the slots: the host's sum into the leader, between the
+  // leaders, then from the leader's slot to every rank, in chunks.
+  void hierarchical_reduce(torch::Tensor& t, double scale) {
+    reduce(t, 1.0, /*leader_only=*/true);
+    const int64_t n = t.numel();
+    if (n == 0) return;  // the same on every rank of every host
+    leaders_all_reduce(t, scale);
+    const int64_t es = static_cast<int64_t>(t.element_size());
+    const int64_t per_chunk = kSlotBytes / es;
+    char* user = static_cast<char*>(t.data_ptr());
+    for (int64_t done = 0; done < n;) {
+      const int64_t len = std::min(per_chunk, n - done);
+      const int b = static_cast<int>(chunk_++ & 1);
+      const auto bytes = static_cast<std::size_t>(len * es);
+      if (rank_ == 0) std::memcpy(slot(b, 0), user + done * es, bytes);
+      barrier();
+      if (rank_ != 0) std::memcpy(user + done * es, slot(b, 0), bytes);
+      done += len;
+    }
+  }
+
+  // In a shared buffer: the host's sum into the leader's region, between
+  // the leaders, then every rank copies the leader's region. The last
+  // barrier keeps the leader from writing its buffer again while another
+  // rank still reads it.
+  void hierarchical_in_place(Op& op) {
+    auto& t = op.tensor;
+    const int64_t es = static_cast<int64_t>(t.element_size());
+    const int64_t n = t.numel();
+    start_op({n, static_cast<int64_t>(t.scalar_type()),
+              static_cast<int64_t>(op.offset)});
+    if (n == 0) return;
+    auto at = [&](int q, int64_t element) {
+      return op.arena->region(q) + op.offset + element * es;
+    };
+    sum_my_slice(at, n, t.options(), 1.0);
+    barrier();
+    if (rank_ == 0) {
+      for (int q = 1; q < world_; ++q) {
+        auto [qlo, qhi] = slice(n, q);
+        std::memcpy(at(0, qlo), at(q, qlo),
+                    static_cast<std::size_t>((qhi - qlo) * es));
+      }
+    }
+    leaders_all_reduce(t, op.scale);
+    if (rank_ != 0) {
+      std::memcpy(at(rank_, 0), at(0, 0), static_cast<std::size_t>(n * es));
+    }
+    barrier();
+  }
+
   std::shared_ptr<ShmSegment> seg_;
   compat::StorePtr store_;
   int rank_;
   int world_;
   std::chrono::milliseconds timeout_;
+  BetweenHosts between_;
   RankLine* lines_ = nullptr;
   char* data_ = nullptr;
   uint64_t chunk_ = 0;  // chunks done: the same count on every rank

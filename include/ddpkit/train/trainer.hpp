@@ -411,6 +411,7 @@ class Trainer : private CheckpointWriter {
         .add("world_size", world())
         .add("transport", Parallel::is_multi_process ? group_.transport()
                                                      : std::string("none"))
+        .add("hosts", Parallel::is_multi_process ? group_.hosts() : 1)
         .add("sampler",
              std::string(Parallel::is_multi_process ? "distributed" : "local"))
         .add("bn", std::string(BN::name))

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# partition.sh OUT DDP
+# Two hosts (tests/multihost/netns.sh), two ranks on each, training DDP
+# with a 10 s collective timeout (DDPKIT_COLLECTIVE_TIMEOUT); once an epoch
+# is done, host 1's link goes down (its veth end, as a pulled cable or a
+# dead switch port: no socket is closed, nothing tells the peers). Every
+# rank, on both sides, must exit non-zero within the collective timeout
+# plus 15 s, with a message naming the failed operation, and rank 0's
+# checkpoint (checkpoints/last.pt) must still load (torch.load,
+# weights_only).
+set -euo pipefail
+out=$1 ddp=$2
+here=$(dirname "$0")
+source "$here/../examples/torch_python.sh"
+source "$here/netns.sh"
+multihost_begin "$out" 2
+timeout_s=10
+pids=()
+for r in 0 1 2 3; do
+  rank_on_hosts "$r" 2 4 29525 env GLOO_SOCKET_IFNAME=eth0 DDPKIT_COLLECTIVE_TIMEOUT=$timeout_s \
+    "$ddp" --out "$out/run" --epochs 500 --batch-size 16 --synthetic-size 2400 \
+    --workers 0 >"$out/rank$r.log" 2>&1 &
+  pids+=($!)
+done
+for ((t = 0; t < 600; t++)); do
+  grep -q "^epoch 1/" "$out/rank0.log" 2>/dev/null && break
+  kill -0 "${pids[0]}" 2>/dev/null || break  # rank 0 ended early
+  sleep 0.2
+done
+grep -q "^epoch 1/" "$out/rank0.log" ||
+  { echo "FAILED: rank 0 finished no epoch:"; cat "$out/rank0.log"; exit 1; }
+t0=$(date +%s%N)
+on_host 1 ip link set eth0 down
+echo "host 1's link is down (ranks 2 and 3 cut off)"
+status=0
+limit=$(((timeout_s + 15) * 1000000000))
+for r in 0 1 2 3; do
+  while kill -0 "${pids[$r]}" 2>/dev/null && (($(date +%s%N) - t0 < limit)); do sleep 0.1; done
+  if kill -0 "${pids[$r]}" 2>/dev/null; then
+    echo "FAILED: rank $r still running $((timeout_s + 15)) s after the partition"
+    status=1
+    continue
+  fi
+  rc=0
+  wait "${pids[$r]}" || rc=$?
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  msg=$(grep -m1 "^error" "$out/rank$r.log" || true)
+  echo "rank $r: exit $rc after ${ms} ms: ${msg:0:400}"
+  if ((rc == 0)); then echo "FAILED: rank $r exited 0"; status=1; fi
+  if [[ $msg != *"failed"* ]]; then echo "FAILED: rank $r's message names no failed operation"; status=1; fi
+done
+"$py" -c "
+import sys, torch
+ck = torch.load(sys.argv[1], weights_only=True)
+print('checkpoints/last.pt loads (weights_only): keys', sorted(ck)[:8])
+" "$out/run/checkpoints/last.pt" || { echo "FAILED: last.pt does not load"; status=1; }
+exit $status
