@@ -32,15 +32,16 @@ struct CommonArgs {
   int threads = 1;                    ///< intra-op threads per rank
   int workers = 2;                    ///< loader threads
   bool quiet = false;
-  bool amp = false;                     ///< --amp: mixed precision (CUDA only)
-  int accumulate = 1;                   ///< batches per optimizer step
-  double clip_grad_norm = 0;            ///< clip by global L2 norm (0: off)
-  double clip_grad_value = 0;           ///< clip each element (0: off)
-  bool tensorboard = true;              ///< rank 0 writes OUT/tb event files
-  int log_every_n_steps = 50;           ///< train/loss_step every N batches
-  int keep_best = 1;                    ///< best checkpoints kept
-  std::int64_t checkpoint_every = 0;    ///< mid-epoch checkpoints (batches)
-  bool checkpoint_on_signal = true;     ///< SIGTERM/SIGINT: checkpoint, stop
+  bool amp = false;                   ///< --amp: mixed precision (CUDA only)
+  int accumulate = 1;                 ///< batches per optimizer step
+  double clip_grad_norm = 0;          ///< clip by global L2 norm (0: off)
+  double clip_grad_value = 0;         ///< clip each element (0: off)
+  bool tensorboard = true;            ///< rank 0 writes OUT/tb event files
+  int log_every_n_steps = 50;         ///< train/loss_step every N batches
+  int keep_best = 1;                  ///< best checkpoints kept
+  std::int64_t checkpoint_every = 0;  ///< mid-epoch checkpoints (batches)
+  bool checkpoint_on_signal = true;   ///< SIGTERM/SIGINT: checkpoint, stop
+  double eval_timeout = 3600;         ///< seconds others wait for rank 0's eval
   std::string best_metric = "val_acc";  ///< val_acc or val_loss
 };
 
@@ -105,6 +106,12 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                  "epochs; --resume auto continues there (0: epoch ends only)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--eval-timeout", args.eval_timeout,
+                 "with rank-0 evaluation, how long (seconds) the other ranks "
+                 "wait for rank 0 to evaluate the validation set (not bounded "
+                 "by the collective timeout)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_flag("--checkpoint-on-signal,!--no-checkpoint-on-signal",
                args.checkpoint_on_signal,
                "on SIGTERM/SIGINT, finish the batch, write checkpoints/last.pt "
@@ -154,6 +161,7 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .keep_best(args.keep_best)
       .checkpoint_every_n_steps(args.checkpoint_every)
       .checkpoint_on_signal(args.checkpoint_on_signal)
+      .eval_timeout(args.eval_timeout)
       .best_metric(args.best_metric == "val_loss" ? train::BestMetric::val_loss
                                                   : train::BestMetric::val_acc);
 }

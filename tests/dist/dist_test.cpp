@@ -1,9 +1,12 @@
 // The distributed runtime: environment parsing, collectives over real
 // processes (gloo, loopback), spawn failure propagation, rendezvous timeout.
 #include <signal.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -290,6 +293,37 @@ TEST_SUITE("dist") {
     CHECK(dist::broadcast_value(g, 5) == 5);
     CHECK(dist::all_gather(g, t).size() == 1);
     dist::barrier(g);
+  }
+
+  TEST_CASE(
+      "shared memory left by a crashed run is removed at the next start; a "
+      "live or recent one is kept") {
+    TempDir dir;
+    // A pid that no longer exists: a child that has exited and been reaped.
+    const pid_t child = ::fork();
+    if (child == 0) ::_exit(0);
+    ::waitpid(child, nullptr, 0);
+    const auto dead = std::to_string(child);
+    const auto live = std::to_string(::getpid());
+    auto make = [&](const std::string& name, long age_s) {
+      const auto path = dir / name;
+      std::ofstream(path) << "x";
+      const timeval then[2] = {{std::time(nullptr) - age_s, 0},
+                               {std::time(nullptr) - age_s, 0}};
+      ::utimes(path.c_str(), then);
+      return path;
+    };
+    const auto stale = make("ddpkit-" + dead + "-123", 3600);
+    const auto stale_marker = make("ddpkit-host-" + dead + "-9-1", 3600);
+    const auto recent = make("ddpkit-" + dead + "-456", 0);
+    const auto alive = make("ddpkit-" + live + "-789", 3600);
+    const auto other = make("other-" + dead, 3600);
+    CHECK(dist::detail::sweep_stale_shm(dir.str().c_str()) == 2);
+    CHECK_FALSE(std::filesystem::exists(stale));
+    CHECK_FALSE(std::filesystem::exists(stale_marker));
+    CHECK(std::filesystem::exists(recent));
+    CHECK(std::filesystem::exists(alive));
+    CHECK(std::filesystem::exists(other));
   }
 
   // ---- across hosts (run by tests/multihost/collectives.sh on test hosts)

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "../support.hpp"
 #include "ddpkit/ddpkit.hpp"
@@ -983,6 +984,81 @@ TEST_SUITE("train") {
     CHECK(read_file(dir / "local0") == "10 4");
     CHECK(read_file(dir / "local1") == "0 3");
     CHECK(read_file(dir / "local2") == "0 3");
+  }
+}
+
+/// Rank-0 evaluation that takes longer than the collective timeout (3 s
+/// against DDPKIT_COLLECTIVE_TIMEOUT=1): the other ranks wait through the
+/// store (TrainerOptions::eval_timeout) and get rank 0's numbers. With
+/// EVAL_TIMEOUT=1 they give up instead, naming the wait.
+struct SlowOnRankZero {
+  data::CifarEval inner;
+  bool slow;
+  torch::Tensor operator()(const torch::Tensor& batch,
+                           torch::Generator& gen) const {
+    if (slow) std::this_thread::sleep_for(std::chrono::milliseconds(750));
+    return inner(batch, gen);
+  }
+  torch::Tensor operator()(const std::vector<torch::Tensor>& images,
+                           torch::Generator& gen) const {
+    return (*this)(torch::stack(images), gen);
+  }
+};
+
+DDPKIT_WORKER(slow_rank0_eval) {
+  auto g = test::worker_group();
+  auto d = make_data(30, 12);
+  torch::manual_seed(5);
+  TinyNet net;
+  TrainerOptions o = base_options(test::worker_dir() / "unused", 1)
+                         .verbose(false)
+                         .eval_timeout(std::stod(std::getenv("EVAL_TIMEOUT")));
+  DDPTrainer<TinyNet, PlainBN, NoScaling, RankZeroEval> t(net, adam(), o, g);
+  auto lo = data::LoaderOptions(3).workers(0);  // 4 batches: 3 s on rank 0
+  const auto t0 = std::chrono::steady_clock::now();
+  train::EvalResult r;
+  try {
+    r = t.evaluate(d.val, SlowOnRankZero{{}, g.rank() == 0}, lo);
+  } catch (const std::exception& e) {
+    std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank())))
+        << e.what();
+    return kPeerFailureExitCode;
+  }
+  const double secs = std::chrono::duration<double>(
+                          std::chrono::steady_clock::now() - t0)
+                          .count();
+  std::ofstream(test::worker_dir() / ("eval" + std::to_string(g.rank())))
+      << r.count << " " << r.accuracy << " " << (secs > 2.5 ? "slow" : "fast");
+  return 0;
+}
+
+TEST_SUITE("train") {
+  TEST_CASE(
+      "rank-0 evaluation longer than the collective timeout: the others wait "
+      "for it through the store, up to eval_timeout") {
+    TempDir dir;
+    auto res = run_workers("slow_rank0_eval", 2, dir.str(),
+                           {{"DDPKIT_COLLECTIVE_TIMEOUT", "1"},
+                            {"EVAL_TIMEOUT", "60"}});
+    INFO(res.message);
+    REQUIRE(res.ok());
+    auto r0 = read_file(dir / "eval0");
+    MESSAGE(r0);
+    CHECK(r0.rfind("12 ", 0) == 0);
+    CHECK(r0.find("slow") != std::string::npos);
+    auto r1 = read_file(dir / "eval1");
+    CHECK(r1.substr(0, r1.rfind(' ')) == r0.substr(0, r0.rfind(' ')));
+
+    TempDir short_wait;
+    auto res2 = run_workers("slow_rank0_eval", 2, short_wait.str(),
+                            {{"DDPKIT_COLLECTIVE_TIMEOUT", "20"},
+                             {"EVAL_TIMEOUT", "1"}});
+    CHECK_FALSE(res2.ok());
+    auto msg = read_file(short_wait / "error1");
+    MESSAGE(msg);
+    CHECK(msg.find("rank 1: waited for rank 0's evaluation "
+                   "(TrainerOptions::eval_timeout) and it did not come "
+                   "within 1 s") != std::string::npos);
   }
 }
 

@@ -172,6 +172,35 @@ inline torch::Tensor& broadcast(const Group& g, torch::Tensor& t, int src = 0) {
   return t;
 }
 
+/// `broadcast` for a value `src` takes long to compute (rank-0 evaluation
+/// of a validation set): the other ranks first wait for `src` through the
+/// store, for up to `wait`, then meet it in the broadcast, so the work is
+/// bounded by `wait` and not by the group's collective timeout. Every rank
+/// calls it at the same point; `src` calls it when its value is ready.
+/// `what` names the wait in the error when it runs out.
+inline torch::Tensor& broadcast_when_ready(const Group& g, torch::Tensor& t,
+                                           int src,
+                                           std::chrono::milliseconds wait,
+                                           const std::string& what) {
+  if (g.size() == 1) return t;
+  const std::string key =
+      ddpkit::detail::cat("ddpkit/ready/", g.next_ready_key());
+  try {
+    if (g.rank() == src) {
+      g.store()->set(key, std::vector<uint8_t>{1});
+    } else {
+      g.store()->wait({key}, wait);
+    }
+  } catch (const c10::Error& e) {
+    std::string msg = e.what_without_backtrace();
+    throw PeerFailure(ddpkit::detail::cat(
+        "rank ", g.rank(), ": waited for rank ", src, "'s ", what,
+        " and it did not come within ", wait.count() / 1000.0,
+        " s (or the store is gone): ", msg.substr(0, msg.find('\n'))));
+  }
+  return broadcast(g, t, src);
+}
+
 /// Broadcast of a trivially copyable value (a number or a small struct).
 template <class T>
 requires std::is_trivially_copyable_v<T> T broadcast_value(const Group& g,

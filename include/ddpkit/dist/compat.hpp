@@ -23,10 +23,10 @@
 #if defined(USE_C10D_GLOO)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && \
+    defined(DDPKIT_HAS_NCCL)
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
-
 
 namespace ddpkit::dist::compat {
 
@@ -49,7 +49,8 @@ inline constexpr bool has_gloo =
 #endif
 
 inline constexpr bool has_nccl =
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && \
+    defined(DDPKIT_HAS_NCCL)
     true;
 #else
     false;
@@ -116,7 +117,8 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size,
 }
 #endif
 
-#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && defined(DDPKIT_HAS_NCCL)
+#if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && \
+    defined(DDPKIT_HAS_NCCL)
 /// `blocking_wait`: Work::wait() blocks and throws on a timeout or a failed
 /// communicator; otherwise NCCL's watchdog tears the process down
 /// (asynchronous error handling). Both are read by ProcessGroupNCCL from the
@@ -129,7 +131,8 @@ inline BackendPtr make_nccl(const StorePtr& store, int rank, int size,
     return std::getenv(a) != nullptr || std::getenv(b) != nullptr;
   };
   if (!user_set("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT") &&
-      !user_set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")) {
+      !user_set("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                "NCCL_ASYNC_ERROR_HANDLING")) {
     const char* var = blocking_wait ? "BLOCKING_WAIT" : "ASYNC_ERROR_HANDLING";
     ::setenv((std::string("TORCH_NCCL_") + var).c_str(), "1", 0);
     ::setenv((std::string("NCCL_") + var).c_str(), "1", 0);

@@ -292,6 +292,7 @@ class Group {
                                          : BackendKind::gloo);
       g->collectives_ = collectives_;
       g->bytes_ = bytes_;
+      g->ready_keys_ = ready_keys_;
       auto side_store = compat::make_prefix_store("ddpkit/side", store_);
       g->backend_ = make_backend(side_store, env_, g->opts_, timeout_);
       g->topology_ = topology_;
@@ -366,6 +367,12 @@ class Group {
   std::uint64_t bytes_started() const {
     return bytes_->load(std::memory_order_relaxed);
   }
+  /// A number for a store key of `broadcast_when_ready`: the same sequence
+  /// on every rank (each call is collective), shared by copies of this
+  /// group.
+  std::uint64_t next_ready_key() const {
+    return ready_keys_->fetch_add(1, std::memory_order_relaxed);
+  }
   /// Counts one collective of `bytes` (called by the functions that start
   /// them).
   void count_collective(std::uint64_t bytes = 0) const {
@@ -405,9 +412,9 @@ class Group {
       detail::check_resolvable(host);
       // torchrun (2.x) hosts the store in its agent and says so with
       // TORCHELASTIC_USE_AGENT_STORE: every rank is a client, and each
-      // restart of the workers gets keys of its own (what PyTorch's env://
-      // rendezvous does), or a restarted job would meet the previous
-      // attempt's rendezvous counters and gloo addresses.
+      // restart of the workers gets keys of its own, or a restarted job
+      // would meet the previous attempt's rendezvous counters and gloo
+      // addresses.
       if (init_method == "env://" && agent_store()) {
         if (!compat::can_use_agent_store()) {
           throw UsageError(cat(
@@ -421,11 +428,18 @@ class Group {
               "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ..., or use "
               "torchrun from the PyTorch this build uses"));
         }
-        const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-        return compat::make_prefix_store(
-            cat("/worker/attempt_", attempt ? attempt : "0"),
-            compat::make_tcp_store(host, port, /*is_server=*/false,
-                                   env.world_size, timeout));
+        auto client = compat::make_tcp_store(host, port, /*is_server=*/false,
+                                             env.world_size, timeout);
+        // The agents' store outlives the rounds, so each round needs keys
+        // of its own, the same on every node. TORCHELASTIC_RESTART_COUNT
+        // is not that: only a node whose own workers failed counts the
+        // restart; a node restarted for the membership change does not
+        // (seen: 1 on one host, 0 on the other, and the new round hung).
+        // Every round starts every rank once, so how often this rank has
+        // started is the same number on every rank.
+        const auto starts =
+            client->add(cat("ddpkit/agent_starts/rank", env.rank), 1);
+        return compat::make_prefix_store(cat("/ddpkit/round_", starts), client);
       }
       return compat::make_tcp_store(host, port, env.rank == 0, env.world_size,
                                     timeout);
@@ -687,6 +701,8 @@ class Group {
   std::shared_ptr<std::atomic<std::uint64_t>> collectives_ =
       std::make_shared<std::atomic<std::uint64_t>>(0);
   std::shared_ptr<std::atomic<std::uint64_t>> bytes_ =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
+  std::shared_ptr<std::atomic<std::uint64_t>> ready_keys_ =
       std::make_shared<std::atomic<std::uint64_t>>(0);
 };
 

@@ -5,11 +5,17 @@
 // neither: containers share names and hosts share names by accident.
 #pragma once
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -80,6 +86,34 @@ inline std::string shm_identity() {
       n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : "?");
 }
 
+/// Removes what crashed runs left in /dev/shm: ddpkit's segments
+/// (`ddpkit-<pid>-<n>`, normally unlinked as soon as every rank mapped
+/// them) and host markers (`ddpkit-host-<pid>-<n>-<rank>`), when the
+/// process that made them (`pid`) no longer exists here and the file is
+/// more than `min_age_s` old (a run still setting up is younger). Called by
+/// every rank at `Group::init`; races between ranks are harmless.
+inline int sweep_stale_shm(const char* dir = "/dev/shm", long min_age_s = 60) {
+  DIR* d = ::opendir(dir);
+  if (d == nullptr) return 0;
+  int removed = 0;
+  while (const dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name.rfind("ddpkit-", 0) != 0) continue;
+    std::string rest = name.substr(7);
+    if (rest.rfind("host-", 0) == 0) rest = rest.substr(5);
+    const long pid = std::strtol(rest.c_str(), nullptr, 10);
+    if (pid <= 0) continue;
+    const std::string path = std::string(dir) + "/" + name;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) continue;
+    if (std::time(nullptr) - st.st_mtime < min_age_s) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    if (::unlink(path.c_str()) == 0) ++removed;
+  }
+  ::closedir(d);
+  return removed;
+}
+
 }  // namespace detail
 
 /// Where each rank runs: hosts are numbered by their lowest rank (host 0
@@ -139,6 +173,7 @@ struct Topology {
   static Topology discover(const compat::StorePtr& store, int rank, int world) {
     using ddpkit::detail::cat;
     const std::string k = "ddpkit/topology/";
+    detail::sweep_stale_shm();
     if (rank == 0) {
       std::random_device rd;
       store->set(k + "token", detail::to_bytes(cat(::getpid(), "-", rd())));

@@ -106,6 +106,11 @@ struct TrainerOptions {
   /// pattern under OUT, `{epoch}` replaced (flowers:
   /// "weights/model-{epoch}.pt").
   TORCH_ARG(std::string, weights_pattern) = "";
+  /// With rank-0 evaluation (RankZeroEval), how long the other ranks wait
+  /// for rank 0 to evaluate the validation set, in seconds. They wait
+  /// through the store, so a validation set that takes longer than the
+  /// collective timeout does not fail them.
+  TORCH_ARG(double, eval_timeout) = 3600;
   /// Rank 0 prints progress and one line per epoch.
   TORCH_ARG(bool, verbose) = true;
   /// Names the run in summary.json ("cifar10", "flowers-resnet34").
@@ -366,7 +371,15 @@ class Trainer : private CheckpointWriter {
                  : torch::zeros({3}, torch::kFloat64);
       local = static_cast<int64_t>(sums[2].template item<double>());
       sums = sums.to(group_.device());
-      if (distributed) dist::broadcast(group_, sums, 0);
+      // The other ranks wait for rank 0's evaluation through the store,
+      // bounded by eval_timeout rather than the collective timeout.
+      if (distributed) {
+        dist::broadcast_when_ready(
+            group_, sums, 0,
+            std::chrono::milliseconds(
+                static_cast<int64_t>(options_.eval_timeout() * 1000)),
+            "evaluation (TrainerOptions::eval_timeout)");
+      }
     }
     sums = sums.cpu();
     EvalResult r;
