@@ -252,6 +252,12 @@ TEST_SUITE("dist") {
       if (!torch::equal(parts[k], torch::full({2}, static_cast<float>(k))))
         return fail("gather order");
     }
+    // An empty all-gather returns empty tensors (gloo in 1.13 died of
+    // SIGFPE on it).
+    auto none = dist::all_gather(g, torch::empty({0, 3}));
+    if (static_cast<int>(none.size()) != w || none[0].numel() != 0 ||
+        none[0].size(1) != 3)
+      return fail("empty all_gather");
     auto vals = dist::all_gather_value(g, r * r);
     for (int k = 0; k < w; ++k) {
       if (vals[k] != k * k) return fail("gather value");

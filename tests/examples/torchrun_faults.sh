@@ -107,16 +107,7 @@ restart)
     || { echo "FAIL: the restarted ranks did not resume from the checkpoint"; exit 1; }
   [[ $(grep -c '"epoch"' "$out/run/metrics.jsonl") == "$epochs" ]] \
     || { echo "FAIL: metrics.jsonl does not hold $epochs epochs"; exit 1; }
-  "$py" - "$out/ref/checkpoints/last.pt" "$out/run/checkpoints/last.pt" <<'PY'
-import sys, torch
-# Checkpoints load with Python's default torch.load (weights_only=True).
-a, b = (torch.load(p)["model"] for p in sys.argv[1:3])
-assert a.keys() == b.keys(), "different keys"
-worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-same = all(torch.equal(a[k], b[k]) for k in a)
-print(f"final weights: {len(a)} tensors, max abs difference {worst:g}, bit-identical: {same}")
-sys.exit(0 if same else 1)
-PY
+  "$py" "$(dirname "$0")/same_weights.py" "$out/ref/checkpoints/last.pt" "$out/run/checkpoints/last.pt"
   echo "torchrun restart + resume: ok"
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;

@@ -10,20 +10,8 @@ out=$1 ddp=$2
 here=$(dirname "$0")
 source "$here/netns.sh"
 multihost_begin "$out" 2
-pids=()
-for r in 0 1 2 3; do
-  rank_on_hosts "$r" 2 4 29515 env GLOO_SOCKET_IFNAME=eth0 \
-    "$ddp" --out "$out/run" --epochs 500 --batch-size 16 --synthetic-size 2400 \
-    --workers 0 >"$out/rank$r.log" 2>&1 &
-  pids+=($!)
-done
-for ((t = 0; t < 600; t++)); do
-  grep -q "^epoch 1/" "$out/rank0.log" 2>/dev/null && break
-  kill -0 "${pids[0]}" 2>/dev/null || break  # rank 0 ended early
-  sleep 0.2
-done
-grep -q "^epoch 1/" "$out/rank0.log" ||
-  { echo "FAILED: rank 0 finished no epoch:"; cat "$out/rank0.log"; exit 1; }
+train_until_epoch_one "$out" "$ddp" 29515
+pids=("${train_pids[@]}")
 t0=$(date +%s%N)
 for p in $(ip netns pids "$NETNS_PREFIX-h1"); do
   [[ $p == "${NETNS_HOLDERS[1]}" ]] || kill -9 "$p" 2>/dev/null || true

@@ -15,6 +15,8 @@
 #   rank_on_hosts R PER_HOST WORLD PORT CMD...   CMD as rank R, launched
 #                     as a multi-node launcher would (below).
 #   host_addr I       prints host I's address.
+#   train_until_epoch_one OUT DDP PORT [VAR=value...]   2 x 2 ranks of a
+#                     long cifar10-ddp run (below); returns after epoch 1.
 #   host_pids I       prints the pids of the processes started by on_host I
 #                     in the background (tracked by the caller).
 # Everything is removed at exit (trap), even when the test fails: the
@@ -138,4 +140,28 @@ on_host() {
   local i=$1
   shift
   nsenter -t "${NETNS_HOLDERS[$i]}" --net --uts --mount --wd="$PWD" -- "$@"
+}
+
+# train_until_epoch_one OUT DDP PORT [VAR=value...]: starts 2 hosts x 2
+# ranks of DDP (the cifar10 example: 500 epochs, batch 16, 2400 synthetic
+# images, gloo pinned to eth0, the extra environment given) in the
+# background, logs in OUT/rank<r>.log and pids in train_pids; returns once
+# rank 0 has finished epoch 1, or fails saying why.
+train_until_epoch_one() {
+  local out=$1 ddp=$2 port=$3 r t
+  shift 3
+  train_pids=()
+  for r in 0 1 2 3; do
+    rank_on_hosts "$r" 2 4 "$port" env GLOO_SOCKET_IFNAME=eth0 "$@" \
+      "$ddp" --out "$out/run" --epochs 500 --batch-size 16 --synthetic-size 2400 \
+      --workers 0 >"$out/rank$r.log" 2>&1 &
+    train_pids+=($!)
+  done
+  for ((t = 0; t < 600; t++)); do
+    grep -q "^epoch 1/" "$out/rank0.log" 2>/dev/null && break
+    kill -0 "${train_pids[0]}" 2>/dev/null || break  # rank 0 ended early
+    sleep 0.2
+  done
+  grep -q "^epoch 1/" "$out/rank0.log" ||
+    { echo "FAILED: rank 0 finished no epoch:"; cat "$out/rank0.log"; return 1; }
 }

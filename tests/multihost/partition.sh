@@ -15,20 +15,8 @@ source "$here/../examples/torch_python.sh"
 source "$here/netns.sh"
 multihost_begin "$out" 2
 timeout_s=10
-pids=()
-for r in 0 1 2 3; do
-  rank_on_hosts "$r" 2 4 29525 env GLOO_SOCKET_IFNAME=eth0 DDPKIT_COLLECTIVE_TIMEOUT=$timeout_s \
-    "$ddp" --out "$out/run" --epochs 500 --batch-size 16 --synthetic-size 2400 \
-    --workers 0 >"$out/rank$r.log" 2>&1 &
-  pids+=($!)
-done
-for ((t = 0; t < 600; t++)); do
-  grep -q "^epoch 1/" "$out/rank0.log" 2>/dev/null && break
-  kill -0 "${pids[0]}" 2>/dev/null || break  # rank 0 ended early
-  sleep 0.2
-done
-grep -q "^epoch 1/" "$out/rank0.log" ||
-  { echo "FAILED: rank 0 finished no epoch:"; cat "$out/rank0.log"; exit 1; }
+train_until_epoch_one "$out" "$ddp" 29525 DDPKIT_COLLECTIVE_TIMEOUT=$timeout_s
+pids=("${train_pids[@]}")
 t0=$(date +%s%N)
 on_host 1 ip link set eth0 down
 echo "host 1's link is down (ranks 2 and 3 cut off)"

@@ -127,6 +127,12 @@ inline std::vector<torch::Tensor> all_gather(const Group& g,
                                              const torch::Tensor& t) {
   auto src = t.contiguous();
   if (g.size() == 1) return {src.clone()};
+  // Nothing to send (the same on every rank, whose shapes must agree);
+  // gloo in libtorch 1.13 dies of SIGFPE on an empty all-gather.
+  if (src.numel() == 0) {
+    return std::vector<torch::Tensor>(static_cast<std::size_t>(g.size()),
+                                      torch::empty_like(src));
+  }
   std::vector<std::vector<torch::Tensor>> out(1);
   for (int r = 0; r < g.size(); ++r) out[0].push_back(torch::empty_like(src));
   std::vector<torch::Tensor> in{src};

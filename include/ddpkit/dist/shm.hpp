@@ -180,6 +180,13 @@ class ShmArena {
   int rank_;
 };
 
+/// The all-reduce between hosts failed (on this host's leader): that
+/// operation fails on every rank of the host, the channel stays usable.
+class BetweenHostsFailed : public PeerFailure {
+ public:
+  using PeerFailure::PeerFailure;
+};
+
 /// The level between hosts of a hierarchical all-reduce (ShmChannel).
 struct ShmBetweenHosts {
   /// The channel is one host's part of a hierarchical all-reduce.
@@ -467,6 +474,10 @@ class ShmChannel {
         } else {
           reduce(op.tensor, op.scale);
         }
+      } catch (const BetweenHostsFailed&) {
+        // This operation only: every rank of the host met the leader's
+        // outcome at the same barrier, so the channel is still in step.
+        error = std::current_exception();
       } catch (...) {
         error = broken_ = std::current_exception();
       }
@@ -679,7 +690,7 @@ class ShmChannel {
     // others wait longer, so the leader's error is the one reported.
     barrier(timeout_ * 2 + std::chrono::seconds(10));
     if (lines_[0].failed != 0) {
-      throw PeerFailure(ddpkit::detail::cat(
+      throw BetweenHostsFailed(ddpkit::detail::cat(
           "the all-reduce between hosts failed on this host's leader: ",
           lines_[0].what));
     }
