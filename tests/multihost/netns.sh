@@ -17,6 +17,8 @@
 #   host_addr I       prints host I's address.
 #   train_until_epoch_one OUT DDP PORT [VAR=value...]   2 x 2 ranks of a
 #                     long cifar10-ddp run (below); returns after epoch 1.
+#   expect_failed_exit R PID T0 LIMIT_S EVENT   rank R must stop with an
+#                     error naming a failed operation (below).
 #   host_pids I       prints the pids of the processes started by on_host I
 #                     in the background (tracked by the caller).
 # Everything is removed at exit (trap), even when the test fails: the
@@ -164,4 +166,31 @@ train_until_epoch_one() {
   done
   grep -q "^epoch 1/" "$out/rank0.log" ||
     { echo "FAILED: rank 0 finished no epoch:"; cat "$out/rank0.log"; return 1; }
+}
+
+# expect_failed_exit R PID T0 LIMIT_S EVENT: waits up to LIMIT_S seconds
+# from T0 (date +%s%N) for rank R's process PID to end; it must exit
+# non-zero with an "error" line in $out/rank<R>.log naming a failed
+# operation. Prints what it saw and leaves the error line in rank_msg;
+# returns 1 when the rank did not stop in time, exited 0 or named nothing.
+expect_failed_exit() {
+  local r=$1 pid=$2 t0=$3 limit_s=$4 event=$5 rc=0 ms status=0
+  rank_msg=""
+  while kill -0 "$pid" 2>/dev/null && (($(date +%s%N) - t0 < limit_s * 1000000000)); do
+    sleep 0.05
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "FAILED: rank $r still running $limit_s s after $event"
+    return 1
+  fi
+  wait "$pid" || rc=$?
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  rank_msg=$(grep -m1 "^error" "$out/rank$r.log" || true)
+  echo "rank $r: exit $rc after ${ms} ms: ${rank_msg:0:400}"
+  if ((rc == 0)); then echo "FAILED: rank $r exited 0"; status=1; fi
+  if [[ $rank_msg != *"failed"* ]]; then
+    echo "FAILED: rank $r's message names no failed operation"
+    status=1
+  fi
+  return $status
 }

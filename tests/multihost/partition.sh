@@ -21,21 +21,8 @@ t0=$(date +%s%N)
 on_host 1 ip link set eth0 down
 echo "host 1's link is down (ranks 2 and 3 cut off)"
 status=0
-limit=$(((timeout_s + 15) * 1000000000))
 for r in 0 1 2 3; do
-  while kill -0 "${pids[$r]}" 2>/dev/null && (($(date +%s%N) - t0 < limit)); do sleep 0.1; done
-  if kill -0 "${pids[$r]}" 2>/dev/null; then
-    echo "FAILED: rank $r still running $((timeout_s + 15)) s after the partition"
-    status=1
-    continue
-  fi
-  rc=0
-  wait "${pids[$r]}" || rc=$?
-  ms=$((($(date +%s%N) - t0) / 1000000))
-  msg=$(grep -m1 "^error" "$out/rank$r.log" || true)
-  echo "rank $r: exit $rc after ${ms} ms: ${msg:0:400}"
-  if ((rc == 0)); then echo "FAILED: rank $r exited 0"; status=1; fi
-  if [[ $msg != *"failed"* ]]; then echo "FAILED: rank $r's message names no failed operation"; status=1; fi
+  expect_failed_exit "$r" "${pids[$r]}" "$t0" $((timeout_s + 15)) "the partition" || status=1
 done
 "$py" -c "
 import sys, torch
