@@ -37,18 +37,6 @@ inline std::string from_bytes(const std::vector<uint8_t>& b) {
   return {b.begin(), b.end()};
 }
 
-/// Every rank posts `value` under `key`/<rank>; true on every rank iff all
-/// posted the same value (a collective over the store).
-inline bool all_ranks_say(const compat::StorePtr& store, const std::string& key,
-                          int rank, int world, const std::string& value) {
-  store->set(ddpkit::detail::cat(key, rank), to_bytes(value));
-  bool same = true;
-  for (int r = 0; r < world; ++r) {
-    same &= from_bytes(store->get(ddpkit::detail::cat(key, r))) == value;
-  }
-  return same;
-}
-
 /// Every rank posts `value` under `key`/<rank>; every rank's value, in rank
 /// order (a collective over the store).
 inline std::vector<std::string> all_ranks_post(const compat::StorePtr& store,
@@ -61,6 +49,15 @@ inline std::vector<std::string> all_ranks_post(const compat::StorePtr& store,
     out.push_back(from_bytes(store->get(ddpkit::detail::cat(key, r))));
   }
   return out;
+}
+
+/// Every rank posts `value` under `key`/<rank>; true on every rank iff all
+/// posted the same value (a collective over the store).
+inline bool all_ranks_say(const compat::StorePtr& store, const std::string& key,
+                          int rank, int world, const std::string& value) {
+  const auto all = all_ranks_post(store, key, rank, world, value);
+  return std::all_of(all.begin(), all.end(),
+                     [&](const std::string& v) { return v == value; });
 }
 
 inline std::string first_line_of(const char* path) {
