@@ -11,10 +11,10 @@
 #include <map>
 #include <thread>
 
-#include "../support.hpp"
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "../support.hpp"
 
 using namespace ddpkit;
 using ddpkit::test::run_workers;
@@ -381,8 +381,8 @@ TEST_SUITE("dist") {
       return e.to(type);
     };
     const int64_t big = (5 << 20) / 4 + 3;  // > two 2 MiB slots of floats
-    for (auto type : {torch::kFloat, torch::kDouble, torch::kLong,
-                      torch::kInt, torch::kHalf}) {
+    for (auto type : {torch::kFloat, torch::kDouble, torch::kLong, torch::kInt,
+                      torch::kHalf}) {
       for (int64_t n : {int64_t{0}, int64_t{5}, big}) {
         auto t = input(n, type);
         dist::all_reduce(g, t);
@@ -629,8 +629,8 @@ TEST_SUITE("dist") {
     };
     const auto t0 = std::chrono::steady_clock::now();
     bool all_gone = false;
-    while (!all_gone && std::chrono::steady_clock::now() - t0 <
-                            std::chrono::seconds(5)) {
+    while (!all_gone &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5)) {
       all_gone = gone(pids[0]) && gone(pids[1]);
       if (!all_gone) std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -937,8 +937,9 @@ TEST_SUITE("dist") {
                     "/dev/shm' >/dev/null 2>&1") != 0) {
       // CI runs as root (the project's containers do): there it must run.
       if (ddpkit::test::in_ci()) {
-        FAIL("no private mount namespace with its own /dev/shm (unshare -m "
-             "+ mount need CAP_SYS_ADMIN); CI=true, so this is not skipped");
+        FAIL(
+            "no private mount namespace with its own /dev/shm (unshare -m "
+            "+ mount need CAP_SYS_ADMIN); CI=true, so this is not skipped");
       }
       MESSAGE(
           "SKIPPED: no private mount namespace with its own /dev/shm "

@@ -1024,9 +1024,9 @@ DDPKIT_WORKER(slow_rank0_eval) {
         << e.what();
     return kPeerFailureExitCode;
   }
-  const double secs = std::chrono::duration<double>(
-                          std::chrono::steady_clock::now() - t0)
-                          .count();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
   std::ofstream(test::worker_dir() / ("eval" + std::to_string(g.rank())))
       << r.count << " " << r.accuracy << " " << (secs > 2.5 ? "slow" : "fast");
   return 0;
@@ -1037,9 +1037,9 @@ TEST_SUITE("train") {
       "rank-0 evaluation longer than the collective timeout: the others wait "
       "for it through the store, up to eval_timeout") {
     TempDir dir;
-    auto res = run_workers("slow_rank0_eval", 2, dir.str(),
-                           {{"DDPKIT_COLLECTIVE_TIMEOUT", "1"},
-                            {"EVAL_TIMEOUT", "60"}});
+    auto res = run_workers(
+        "slow_rank0_eval", 2, dir.str(),
+        {{"DDPKIT_COLLECTIVE_TIMEOUT", "1"}, {"EVAL_TIMEOUT", "60"}});
     INFO(res.message);
     REQUIRE(res.ok());
     auto r0 = read_file(dir / "eval0");
@@ -1050,9 +1050,9 @@ TEST_SUITE("train") {
     CHECK(r1.substr(0, r1.rfind(' ')) == r0.substr(0, r0.rfind(' ')));
 
     TempDir short_wait;
-    auto res2 = run_workers("slow_rank0_eval", 2, short_wait.str(),
-                            {{"DDPKIT_COLLECTIVE_TIMEOUT", "20"},
-                             {"EVAL_TIMEOUT", "1"}});
+    auto res2 = run_workers(
+        "slow_rank0_eval", 2, short_wait.str(),
+        {{"DDPKIT_COLLECTIVE_TIMEOUT", "20"}, {"EVAL_TIMEOUT", "1"}});
     CHECK_FALSE(res2.ok());
     auto msg = read_file(short_wait / "error1");
     MESSAGE(msg);
