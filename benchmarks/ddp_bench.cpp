@@ -25,7 +25,8 @@
 //                                      carried
 //   syncbn/resnet34@64/b16/world:2/bn:B ResNet-34's BatchNorm plain (each
 //                                      rank its own statistics) or
-//                                      synchronised (SyncBN), side by side
+//                                      synchronised (SyncBN), side by side,
+//                                      max(2, --rounds) pairs
 //
 // Launcher flags (before Google Benchmark's): --quick, --sections=a,b,...
 // (overhead, decompose, scaling, buckets, local, order, comm, syncbn),
@@ -424,8 +425,9 @@ void register_all(const b::Args& o) {
     // SyncBN's cost (issue 14's setting: flowers' ResNet-34 at 64 px, batch
     // 16 per rank, world 2, one thread per rank), plain and synchronised
     // BatchNorm interleaved.
+    // --rounds=N pairs (at least 2).
     b::ModelSpec m{"resnet34", 64, 16};
-    for (int round = 0; round < 2; ++round) {
+    for (int round = 0; round < std::max(rounds, 2); ++round) {
       for (int sync : {0, 1}) {
         b::register_world(
             "syncbn/" + m.label() +

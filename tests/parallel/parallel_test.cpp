@@ -322,6 +322,7 @@ DDPKIT_WORKER(syncbn_unequal) {
   test::save_tensor(bn->running_var.cpu(), dir / ("rv" + tag + ".pt"));
   // T_DROP_MODULE=1: the module (and the group it holds) is gone before
   // backward, which must still reduce over the group.
+  auto weight = bn->weight, bias = bn->bias;
   if (env_or("T_DROP_MODULE", "0") == "1") bn = nn::SyncBatchNorm(nullptr);
   // The global loss is the sum over ranks of each rank's part.
   (y * wts.narrow(0, start, len).to(device, y.scalar_type())).sum().backward();
@@ -329,6 +330,12 @@ DDPKIT_WORKER(syncbn_unequal) {
       << " " << c10::toString(x.grad().scalar_type());
   test::save_tensor(y.detach().cpu().to(torch::kFloat), dir / ("y" + tag + ".pt"));
   test::save_tensor(x.grad().cpu().to(torch::kFloat), dir / ("dx" + tag + ".pt"));
+  // Each rank's weight and bias gradients: its own samples' part (DDP sums
+  // or averages them like any other parameter's).
+  test::save_tensor(weight.grad().cpu().to(torch::kFloat),
+                    dir / ("gw" + tag + ".pt"));
+  test::save_tensor(bias.grad().cpu().to(torch::kFloat),
+                    dir / ("gb" + tag + ".pt"));
   return 0;
 }
 
@@ -1147,8 +1154,9 @@ DDPKIT_WORKER(mismatched_models) {
   return 0;
 }
 
-/// Compares the two syncbn_unequal ranks' outputs, input gradients and
-/// running statistics with libtorch's BatchNorm on the joined batch of 8.
+/// Compares the two syncbn_unequal ranks' outputs, input, weight and bias
+/// gradients and running statistics with libtorch's BatchNorm on the joined
+/// batch of 8.
 void check_syncbn_unequal(const std::filesystem::path& dir, double tol) {
     auto gen = at::detail::createCPUGenerator(7);
     auto x_all = torch::randn({8, 4, 3, 3}, gen) * 2 + 1;
@@ -1168,6 +1176,15 @@ void check_syncbn_unequal(const std::filesystem::path& dir, double tol) {
             test::rel_diff(dx_dist, x.grad()));
     CHECK(test::rel_diff(y_dist, y.detach()) <= tol);
     CHECK(test::rel_diff(dx_dist, x.grad()) <= tol);
+    // The ranks' parts of the weight and bias gradients add up to the
+    // joined batch's.
+    for (std::string name : {"gw", "gb"}) {
+      auto sum = test::load_tensor(dir / (name + "0.pt")) +
+                 test::load_tensor(dir / (name + "1.pt"));
+      auto ref = name == "gw" ? bn->weight.grad() : bn->bias.grad();
+      MESSAGE(name, " (sum over ranks): ", test::rel_diff(sum, ref));
+      CHECK(test::rel_diff(sum, ref) <= tol);
+    }
     for (int r = 0; r < 2; ++r) {
       auto tag = std::to_string(r);
       CHECK(test::rel_diff(test::load_tensor(dir / ("rm" + tag + ".pt")),
