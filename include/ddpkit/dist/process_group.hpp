@@ -330,9 +330,9 @@ class Group {
         while (missing > 0) {
           missing = 0;
           for (int r = 0; r < world; ++r) {
-            auto s = seen[static_cast<std::size_t>(r)];
-            if (!s) s = store->check({cat("ddpkit/alive/", r)});
-            missing += s ? 0 : 1;
+            const auto i = static_cast<std::size_t>(r);
+            if (!seen[i]) seen[i] = store->check({cat("ddpkit/alive/", r)});
+            missing += seen[i] ? 0 : 1;
           }
           if (missing == 0 || std::chrono::steady_clock::now() > deadline) {
             break;

@@ -408,7 +408,14 @@ class ShmChannel {
   }
 
   void start() {
-    thread_ = std::thread([this] { loop(); });
+    thread_ = std::thread([this] {
+      // The channel's reductions are ATen operations (add_ over a slot):
+      // give this thread the process's intra-op thread count now, as the
+      // threads ATen starts itself do, rather than at its first parallel
+      // region.
+      at::init_num_threads();
+      loop();
+    });
   }
 
   struct Op {
