@@ -20,6 +20,22 @@
 # No delay is added: this kernel has no sch_netem ("qdisc kind is
 # unknown"), so the links are shaped in rate only.
 set -euo pipefail
+if [[ $# -lt 2 || $# -gt 3 ]]; then
+  echo "usage: $0 DDP_BENCH OUT [ROUNDS]   (DDP_BENCH: a built ddpkit_ddp_bench; OUT: a new directory)" >&2
+  exit 2
+fi
+if [[ ! -x $1 ]]; then
+  echo "$0: DDP_BENCH '$1' is not an executable file (build it first: ./scripts/run-benchmarks.sh --quick builds build-bench/benchmarks/ddpkit_ddp_bench)" >&2
+  exit 2
+fi
+if [[ -e $2 && -n $(ls -A "$2" 2>/dev/null) ]]; then
+  echo "$0: OUT '$2' exists and is not empty; the run would replace it. Give a new directory." >&2
+  exit 2
+fi
+if [[ -n ${3:-} && ! $3 =~ ^[1-9][0-9]*$ ]]; then
+  echo "$0: ROUNDS '$3' is not a positive whole number" >&2
+  exit 2
+fi
 bench=$(realpath "$1")
 out=$2
 rounds=${3:-3}
