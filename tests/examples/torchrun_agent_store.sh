@@ -4,6 +4,10 @@
 # rendezvous store in its agent: 1.13's store client cannot talk to it, so
 # every rank must stop at once with an error that says what to do
 # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), instead of waiting forever.
+# torchrun SIGTERMs the other ranks as soon as one fails, so a rank that
+# starts later may be stopped before it prints: the test asks for at least
+# one rank's message, torchrun's non-zero exit without a hang, and for
+# every rank either that refusal (exit 2) or torchrun's SIGTERM (-15).
 set -uo pipefail
 bin=$1
 source "$(dirname "$0")/torch_python.sh"
@@ -19,5 +23,8 @@ took=$(($(date +%s) - start))
 grep -E "TORCHELASTIC_USE_AGENT_STORE|TORCH_DISABLE_SHARE" "$log" | head -4
 ((rc != 0 && rc != 124)) || { cat "$log"; echo "torchrun exit $rc (124: it hung), expected a failure"; exit 1; }
 n=$(grep -c "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun" "$log")
-((n >= 2)) || { cat "$log"; echo "expected both ranks to name TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, found $n"; exit 1; }
-echo "refused by both ranks, torchrun exit $rc, in $took s"
+((n >= 1)) || { cat "$log"; echo "expected a rank to name TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, found none"; exit 1; }
+# torchrun's failure report: "exitcode  : N" per failed rank it lists.
+bad=$(grep -E "^ *exitcode *:" "$log" | grep -vE "exitcode *: (2|-15) " || true)
+[[ -z $bad ]] || { cat "$log"; echo "a rank ended otherwise than refusing (2) or torchrun's SIGTERM (-15): $bad"; exit 1; }
+echo "refused: $n rank(s) named the fix, torchrun exit $rc, in $took s"
