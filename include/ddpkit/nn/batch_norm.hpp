@@ -83,6 +83,12 @@ void channel_sums(const T* a, const T* b, int64_t n, int64_t C, int64_t plane,
       });
 }
 
+/// Values per (sample, channel) plane of an N×C×... tensor (H·W for
+/// N×C×H×W); 0 when it holds none.
+inline int64_t plane_size(const torch::Tensor& x) {
+  return x.numel() > 0 ? x.numel() / (x.size(0) * x.size(1)) : 0;
+}
+
 /// Whether `channel_sums` can read `t` directly (N×C×... contiguous,
 /// float or double).
 inline bool plane_contiguous(const torch::Tensor& t) {
@@ -140,11 +146,10 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
       double* p = packed.data_ptr<double>();
       p[0] = local_n;
       if (local_n > 0 && plane_contiguous(xc)) {
-        const int64_t plane = x.numel() / (x.size(0) * C);
         AT_DISPATCH_FLOATING_TYPES(
             xc.scalar_type(), "ddpkit_syncbn_stats", [&] {
               const scalar_t* xp = xc.data_ptr<scalar_t>();
-              channel_sums(xp, xp, x.size(0), C, plane, p + 1);
+              channel_sums(xp, xp, x.size(0), C, plane_size(x), p + 1);
             });
       } else if (local_n > 0) {
         auto [v, m] = torch::var_mean(xc, dims, /*unbiased=*/false);
@@ -295,9 +300,10 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     const auto invstd64 = invstd.contiguous();
     const auto mean64 = mean.contiguous();
     const double* is = invstd64.data_ptr<double>();
-    const int64_t plane = x.numel() > 0 ? x.numel() / (x.size(0) * C) : 0;
+    const int64_t plane = plane_size(x);
+    // dy and xc are both in the compute type here.
     if (plane > 0 && plane < 16 && plane_contiguous(dy) &&
-        plane_contiguous(xc) && dy.scalar_type() == xc.scalar_type()) {
+        plane_contiguous(xc)) {
       // Small planes (ResNet's last stage): Σdy and Σdy·x in one pass of
       // our own, then Σdy·(x−μ) = Σdy·x − μ·Σdy. ATen's inference-form
       // backward took 20× longer on 2×2 planes here.
@@ -363,17 +369,17 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
       // One pass: read dy and x, write dx.
       dx = torch::empty_like(dy, at::MemoryFormat::Contiguous);
       const int64_t planes = x.size(0) * C;
-      const int64_t hw = planes > 0 ? x.numel() / planes : 0;
+      const int64_t hw = plane;
       AT_DISPATCH_FLOATING_TYPES(dx.scalar_type(), "ddpkit_syncbn_dx", [&] {
         const scalar_t* k = abc_c.data_ptr<scalar_t>();
         const scalar_t* dyp = dy.data_ptr<scalar_t>();
         const scalar_t* xp = xc.data_ptr<scalar_t>();
         scalar_t* out = dx.data_ptr<scalar_t>();
         at::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t plane = begin; plane < end; ++plane) {
-            const int64_t c = plane % C;
+          for (int64_t j = begin; j < end; ++j) {  // plane j = (n, c)
+            const int64_t c = j % C;
             const scalar_t a = k[c], b = k[C + c], cc = k[2 * C + c];
-            const int64_t off = plane * hw;
+            const int64_t off = j * hw;
             for (int64_t i = 0; i < hw; ++i) {
               out[off + i] = dyp[off + i] * a + xp[off + i] * b + cc;
             }
