@@ -32,9 +32,12 @@ constexpr double kValRatio = 0.1;
 constexpr std::size_t kSyntheticTrain = 6000;
 constexpr std::size_t kSyntheticTest = 1000;
 
-using Trainer =
-    ddpkit::Trainer<ddpkit::nn::CifarNet, Mode, ddpkit::sampling_for<Mode>,
-                    ddpkit::PlainBN, ddpkit::NoScaling, ddpkit::RankZeroEval>;
+// The recipe uses plain BatchNorm; --sync-bn (ddp build) picks the other
+// compile-time Trainer type at run time, as the flowers example does.
+template <class BN>
+using TrainerWith =
+    ddpkit::Trainer<ddpkit::nn::CifarNet, Mode, ddpkit::sampling_for<Mode>, BN,
+                    ddpkit::NoScaling, ddpkit::RankZeroEval>;
 
 int main(int argc, char** argv) {
   ddpkit::cli::CommonArgs args;
@@ -49,11 +52,24 @@ int main(int argc, char** argv) {
                  "training images of the built-in synthetic set")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  double dropout = ddpkit::nn::CifarNetOptions().dropout();
+  app.add_option("--dropout", dropout,
+                 "dropout before each fully connected layer")
+      ->check(CLI::Range(0.0, 0.99))
+      ->capture_default_str();
+  bool no_augment = false;
+  app.add_flag("--no-augment", no_augment,
+               "train on the evaluation transform: no random crop, flip or "
+               "colour jitter");
   // Gradient communication (ddp build): PyTorch's DDP comm hooks.
   std::string comm = "allreduce";
   ddpkit::parallel::PowerSGDOptions powersgd;
   powersgd.start_step(100);
+  bool sync_bn = false;
   if constexpr (Mode::is_multi_process) {
+    app.add_flag("--sync-bn,!--no-sync-bn", sync_bn,
+                 "synchronise BatchNorm statistics across processes (off, as "
+                 "in the recipe)");
     app.add_option("--comm", comm,
                    "gradient communication: allreduce (float32), fp16, bf16 "
                    "or powersgd (low-rank, with error feedback)")
@@ -103,7 +119,8 @@ int main(int argc, char** argv) {
         }
         // Initial weights from the seed; DDP then broadcasts rank 0's to all.
         torch::manual_seed(args.seed);
-        ddpkit::nn::CifarNet model(ddpkit::nn::CifarNetOptions(10));
+        ddpkit::nn::CifarNet model(
+            ddpkit::nn::CifarNetOptions(10).dropout(dropout));
         auto opts = ddpkit::cli::trainer_options(args)
                         .schedule(ddpkit::train::ScheduleOptions()
                                       .kind(ddpkit::train::Schedule::step)
@@ -119,30 +136,38 @@ int main(int argc, char** argv) {
                        .powersgd(powersgd));
           }
         }(parallel);
-        Trainer trainer(
-            model,
-            [](std::vector<torch::Tensor> params) {
-              return std::make_unique<torch::optim::Adam>(
-                  params, torch::optim::AdamOptions(kLr));
-            },
-            opts, group, parallel);
+        auto optimizer = [](std::vector<torch::Tensor> params) {
+          return std::make_unique<torch::optim::Adam>(
+              params, torch::optim::AdamOptions(kLr));
+        };
         auto loader =
             ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
-        auto result =
-            trainer.fit(split.train, split.val, ddpkit::data::CifarTrain{},
-                        ddpkit::data::CifarEval{}, loader);
-        // The test set once, at the end, evaluated the recipe's way.
-        auto t = trainer.evaluate(test, ddpkit::data::CifarEval{}, loader);
-        if (group.is_main()) {
-          trainer.write_summary(result, &t);
-          if (!args.quiet) {
-            std::printf(
-                "done: %d epochs, best val_acc %.4f (epoch %d), test_acc %.4f, "
-                "%.1f s; outputs in %s\n",
-                result.epochs_run, result.best_val_acc, result.best_epoch,
-                t.accuracy, result.total_seconds, args.out.c_str());
+        ddpkit::data::CifarTrain train_tf;
+        if (no_augment) train_tf.options.padding(0).flip(0).jitter(false);
+        auto run = [&]<class BN>() {
+          TrainerWith<BN> trainer(model, optimizer, opts, group, parallel);
+          auto result = trainer.fit(split.train, split.val, train_tf,
+                                    ddpkit::data::CifarEval{}, loader);
+          // The test set once, at the end, evaluated the recipe's way.
+          auto t = trainer.evaluate(test, ddpkit::data::CifarEval{}, loader);
+          if (group.is_main()) {
+            trainer.write_summary(result, &t);
+            if (!args.quiet) {
+              std::printf(
+                  "done: %d epochs, best val_acc %.4f (epoch %d), test_acc "
+                  "%.4f, %.1f s; outputs in %s\n",
+                  result.epochs_run, result.best_val_acc, result.best_epoch,
+                  t.accuracy, result.total_seconds, args.out.c_str());
+            }
+          }
+        };
+        if constexpr (Mode::is_multi_process) {
+          if (sync_bn) {
+            run.template operator()<ddpkit::sync_bn_for<Mode>>();
+            return 0;
           }
         }
+        run.template operator()<ddpkit::PlainBN>();
         return 0;
       });
 }

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/train/trainer.hpp"
+#include "ddpkit/version.hpp"
 
 namespace ddpkit::cli {
 
@@ -48,6 +49,9 @@ struct CommonArgs {
 /// Adds the common flags to `app`, with `args`' current values as defaults.
 inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.set_config("--config", "", "read these options from a TOML/INI file");
+  app.set_version_flag("--version",
+                       std::string("ddpkit ") + ddpkit::version + ", libtorch " +
+                           TORCH_VERSION);
   app.add_option("--data", args.data,
                  "dataset folder (default: built-in synthetic data)");
   app.add_option("--out", args.out,
@@ -174,6 +178,8 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "error: %s\nRun with --help for the options.\n",

@@ -11,6 +11,7 @@
 #include "ddpkit/nn/models.hpp"
 #include "ddpkit/parallel.hpp"
 #include "ddpkit/train.hpp"
+#include "ddpkit/version.hpp"
 
 namespace ddpkit {
 

@@ -77,7 +77,9 @@ struct RankExit {
   }
   std::string describe() const {
     if (signal != 0) {
-      const char* name = sigdescr_np(signal);
+      // strsignal is POSIX (sigdescr_np needs glibc 2.32, newer than the
+      // RHEL 8 / Rocky 8 clusters run); its text is only read here.
+      const char* name = ::strsignal(signal);
       return ddpkit::detail::cat("rank ", rank, " (pid ", pid,
                                  ") was killed by signal ", signal, " (",
                                  name ? name : "?", ")");
