@@ -274,6 +274,48 @@ TEST_SUITE("dist") {
     return 0;
   }
 
+  TEST_CASE(
+      "host loss: the roll call names a missing rank with its host, a whole "
+      "missing host by its ranks, several joined by 'and'") {
+    using dist::detail::describe_missing;
+    // Hosts a (ranks 0, 1), b (2, 3), c (4 alone), d (5 and 7: not
+    // contiguous), e (6).
+    dist::Topology topo;
+    topo.host_of = {0, 0, 1, 1, 2, 3, 4, 3};
+    topo.host_name = {"a", "a", "b", "b", "c", "d", "e", "d"};
+    const std::chrono::milliseconds wait(3000);
+    auto seen_all_but = [](std::vector<int> missing) {
+      std::vector<bool> seen(8, true);
+      for (int r : missing) seen[static_cast<std::size_t>(r)] = false;
+      return seen;
+    };
+    const std::string tail =
+        " did not answer within 3 s (lost, or stuck "
+        "elsewhere)";
+    CHECK(describe_missing(seen_all_but({}), topo, wait) == "");
+    CHECK(describe_missing(seen_all_but({3}), topo, wait) ==
+          "rank 3 on host 'b'" + tail);
+    CHECK(describe_missing(seen_all_but({2, 3}), topo, wait) ==
+          "every rank of host 'b' (ranks 2, 3)" + tail);
+    // A host of one rank is that rank; a host's ranks are named once, in
+    // order, wherever they stand.
+    CHECK(describe_missing(seen_all_but({4}), topo, wait) ==
+          "rank 4 on host 'c'" + tail);
+    CHECK(describe_missing(seen_all_but({5, 7}), topo, wait) ==
+          "every rank of host 'd' (ranks 5, 7)" + tail);
+    CHECK(describe_missing(seen_all_but({0, 2, 3, 5, 6, 7}), topo, wait) ==
+          "rank 0 on host 'a' and every rank of host 'b' (ranks 2, 3) and "
+          "every rank of host 'd' (ranks 5, 7) and rank 6 on host 'e'" +
+              tail);
+    CHECK(describe_missing(seen_all_but({1}), topo,
+                           std::chrono::milliseconds(1500)) ==
+          "rank 1 on host 'a' did not answer within 1.5 s (lost, or stuck "
+          "elsewhere)");
+    // Without the topology (it did not match the world): ranks alone.
+    CHECK(describe_missing({true, false, false}, topo, wait) ==
+          "rank 1 and rank 2" + tail);
+  }
+
   TEST_CASE("collectives over gloo with real processes") {
     // Self-spawn meets through a private file; the TCPStore path is the one
     // torchrun/SLURM/MPI jobs take.

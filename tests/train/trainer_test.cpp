@@ -1346,8 +1346,9 @@ TEST_SUITE("train") {
   }
 
   TEST_CASE(
-      "callbacks get every event in order, after the ready-made ones; "
-      "accumulation makes one step of several batches") {
+      "the user's callbacks get every event in order, before the "
+      "checkpoint callback (last.pt at their EpochEnd still holds the epoch "
+      "before); accumulation makes one step of several batches") {
     auto d = make_data(48, 10);
     for (int accumulate : {1, 2}) {
       CAPTURE(accumulate);
@@ -1673,6 +1674,122 @@ TEST_SUITE("train") {
     for (int r = 0; r < 2; ++r) {
       CAPTURE(r);
       CHECK(read_file(dir / ("epochs" + std::to_string(r))) == "1 1");
+    }
+  }
+}
+
+namespace {
+
+/// Where a fit ends, as its last event sees it.
+struct FinalState {
+  std::int64_t global_step = -1;
+  double best = 0;
+  int best_epoch = -1, bad_epochs = -1;
+  void on(const train::FitEnd& e) {
+    global_step = e.state.global_step;
+    best = e.state.best;
+    best_epoch = e.state.best_epoch;
+    bad_epochs = e.state.bad_epochs;
+  }
+};
+
+/// The value of "key" in summary.json, as written.
+std::string summary_field(const fs::path& out, const std::string& key) {
+  const auto text = read_file(out / "summary.json");
+  const auto at = text.find("\"" + key + "\": ");
+  if (at == std::string::npos) return "<no " + key + ">";
+  const auto from = at + key.size() + 4;
+  return text.substr(from, text.find_first_of(",\n", from) - from);
+}
+
+}  // namespace
+
+TEST_SUITE("train") {
+  TEST_CASE(
+      "resume with early stopping: interrupted after a bad epoch and "
+      "resumed, a run stops at the uninterrupted run's epoch, with its best "
+      "val_acc, best epoch, global step and keep_best(2) by val_loss "
+      "checkpoints") {
+    auto d = make_data(64, 20);
+    constexpr int kPatience = 2, kEpochs = 12;
+    // Epochs 1-3 learn; from epoch 4 on the lr is 1e-2 x 1e-12, and Adam's
+    // steps are below the weights' rounding: val_acc stays put until
+    // patience stops the run. No batch statistics, no dropout.
+    auto run = [&](const fs::path& out, int epochs, const std::string& resume) {
+      torch::manual_seed(3);
+      SingleDeviceTrainer<Mlp> trainer(
+          Mlp(), adam(),
+          base_options(out, epochs)
+              .resume(resume)
+              .verbose(false)
+              .tensorboard(false)
+              .patience(kPatience)
+              .schedule(train::ScheduleOptions()
+                            .kind(train::Schedule::step)
+                            .step_size(3)
+                            .gamma(1e-12))
+              .keep_best(2)
+              .best_metric(train::BestMetric::val_loss));
+      FinalState end;
+      auto r =
+          trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
+                      data::LoaderOptions(16).workers(0), end);
+      return std::pair{r, end};
+    };
+    TempDir a, b;
+    const auto [full, full_end] = run(a.path(), kEpochs, "");
+    std::string acc;
+    for (const auto& m : full.history) acc += " " + std::to_string(m.val_acc);
+    MESSAGE("uninterrupted: val_acc by epoch:", acc, "; best epoch ",
+            full.best_epoch, ", ", full.epochs_run, " epochs");
+    REQUIRE(full.stopped_early);
+    REQUIRE(full.epochs_run == full.best_epoch + kPatience);
+    // Interrupted one epoch before the stop: past the best epoch, one bad
+    // epoch counted.
+    const int first_epochs = full.epochs_run - 1;
+    const auto [first, first_end] = run(b.path(), first_epochs, "");
+    CHECK_FALSE(first.stopped_early);
+    CHECK(first_end.bad_epochs == kPatience - 1);
+    CHECK(first_end.best_epoch == full.best_epoch);
+    const auto [resumed, resumed_end] = run(b.path(), kEpochs, "auto");
+    CHECK(resumed.stopped_early);
+    CHECK(resumed.epochs_run == full.epochs_run);
+    CHECK(resumed.best_epoch == full.best_epoch);
+    CHECK(resumed.best_val_acc == full.best_val_acc);
+    CHECK(resumed_end.best == full_end.best);
+    CHECK(resumed_end.bad_epochs == full_end.bad_epochs);
+    CHECK(resumed_end.global_step == full_end.global_step);
+    CHECK(full_end.global_step == 4 * full.epochs_run);  // 64 / 16 per epoch
+    for (std::string key : {"epochs_run", "stopped_early", "best_epoch",
+                            "best_val_acc", "final_val_acc", "best_metric"}) {
+      CAPTURE(key);
+      CHECK(summary_field(b.path(), key) == summary_field(a.path(), key));
+    }
+    c10::IValue step_a, step_b;
+    train::open_checkpoint(a / "checkpoints/last.pt")
+        .read("global_step", step_a);
+    train::open_checkpoint(b / "checkpoints/last.pt")
+        .read("global_step", step_b);
+    CHECK(step_b.toInt() == step_a.toInt());
+    // keep_best(2) by val_loss: the same files, with the same weights.
+    auto kept = [](const fs::path& out) {
+      std::set<std::string> names;
+      for (auto& e : fs::directory_iterator(out / "checkpoints")) {
+        names.insert(e.path().filename().string());
+      }
+      return names;
+    };
+    const auto files = kept(a.path());
+    CHECK(files.size() == 4);  // last, best and two best-epoch-<E>
+    REQUIRE(kept(b.path()) == files);
+    for (const auto& name : files) {
+      CAPTURE(name);
+      auto ma = model_of(a / "checkpoints" / name),
+           mb = model_of(b / "checkpoints" / name);
+      REQUIRE(ma.size() == mb.size());
+      for (auto& kv : ma) {
+        CHECK(torch::equal(kv.value().toTensor(), mb.at(kv.key()).toTensor()));
+      }
     }
   }
 }

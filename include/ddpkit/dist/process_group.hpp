@@ -131,6 +131,50 @@ inline std::chrono::milliseconds env_timeout(const char* name,
   return dflt;
 }
 
+/// Who of `seen`'s ranks did not answer the roll call, for the error:
+/// "every rank of host 'b' (ranks 2, 3) and rank 5 on host 'c' did not
+/// answer within 3 s", or "" when every rank answered.
+inline std::string describe_missing(const std::vector<bool>& seen,
+                                    const Topology& topo,
+                                    std::chrono::milliseconds wait) {
+  using ddpkit::detail::cat;
+  const int world = static_cast<int>(seen.size());
+  const bool known = topo.world() == world;
+  std::string text;
+  std::vector<bool> said(seen.size(), false);
+  for (int r = 0; r < world; ++r) {
+    if (seen[static_cast<std::size_t>(r)] ||
+        said[static_cast<std::size_t>(r)]) {
+      continue;
+    }
+    if (!text.empty()) text += " and ";
+    if (!known) {
+      text += cat("rank ", r);
+      continue;
+    }
+    const int host = topo.host_of[static_cast<std::size_t>(r)];
+    const auto on = topo.ranks_on(host);
+    bool all = true;
+    for (int q : on) all = all && !seen[static_cast<std::size_t>(q)];
+    if (all && on.size() > 1) {
+      std::string list;
+      for (int q : on) {
+        list += cat(list.empty() ? "" : ", ", q);
+        said[static_cast<std::size_t>(q)] = true;
+      }
+      text += cat("every rank of host '",
+                  topo.host_name[static_cast<std::size_t>(r)], "' (ranks ",
+                  list, ")");
+    } else {
+      text += cat("rank ", r, " on host '",
+                  topo.host_name[static_cast<std::size_t>(r)], "'");
+    }
+  }
+  if (text.empty()) return text;
+  return cat(text, " did not answer within ", wait.count() / 1000.0,
+             " s (lost, or stuck elsewhere)");
+}
+
 }  // namespace detail
 
 /// A process group: this rank, the world, and the c10d backend between them.
@@ -339,7 +383,7 @@ class Group {
           }
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
-        text = describe_missing(seen, topo, wait);
+        text = detail::describe_missing(seen, topo, wait);
       } catch (...) {
         text.clear();  // the store is gone too: nothing to add
       }
@@ -523,49 +567,6 @@ class Group {
                           " joined; is every rank started, with the same "
                           "MASTER_ADDR/MASTER_PORT and WORLD_SIZE?)"));
     }
-  }
-
-  // "every rank of host 'b' (ranks 2, 3) and rank 5 on host 'c' did not
-  // answer within 3 s", or "" when every rank answered.
-  static std::string describe_missing(const std::vector<bool>& seen,
-                                      const Topology& topo,
-                                      std::chrono::milliseconds wait) {
-    using ddpkit::detail::cat;
-    const int world = static_cast<int>(seen.size());
-    const bool known = topo.world() == world;
-    std::string text;
-    std::vector<bool> said(seen.size(), false);
-    for (int r = 0; r < world; ++r) {
-      if (seen[static_cast<std::size_t>(r)] ||
-          said[static_cast<std::size_t>(r)]) {
-        continue;
-      }
-      if (!text.empty()) text += " and ";
-      if (!known) {
-        text += cat("rank ", r);
-        continue;
-      }
-      const int host = topo.host_of[static_cast<std::size_t>(r)];
-      const auto on = topo.ranks_on(host);
-      bool all = true;
-      for (int q : on) all = all && !seen[static_cast<std::size_t>(q)];
-      if (all && on.size() > 1) {
-        std::string list;
-        for (int q : on) {
-          list += cat(list.empty() ? "" : ", ", q);
-          said[static_cast<std::size_t>(q)] = true;
-        }
-        text += cat("every rank of host '",
-                    topo.host_name[static_cast<std::size_t>(r)], "' (ranks ",
-                    list, ")");
-      } else {
-        text += cat("rank ", r, " on host '",
-                    topo.host_name[static_cast<std::size_t>(r)], "'");
-      }
-    }
-    if (text.empty()) return text;
-    return cat(text, " did not answer within ", wait.count() / 1000.0,
-               " s (lost, or stuck elsewhere)");
   }
 
   static AllReduceAlgorithm all_reduce_algorithm(const GroupOptions& opts) {
