@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
   torch::optim::SGD sgd(
       model.parameters(),
       torch::optim::SGDOptions(0.001).momentum(0.9).weight_decay(0.005));
-  ddpkit::train::LossScaler scaler;
+  ddpkit::parallel::LossScaler scaler;
   const ddpkit::dist::Group solo;
   // A few distinct batches already on the device: the step, not the input
   // pipeline, is measured here.

@@ -22,6 +22,9 @@
 # Not run here, for want of a GPU: the "cuda" doctest suite (compiled into
 # ddpkit_tests; scripts/gpu-check.sh runs it on a GPU machine).
 #
+#   0. the layering of include/ddpkit/ (scripts/check-layers.py), before
+#      anything is built
+#
 # It ends with a summary naming every stage and what it did not run. This
 # is the README's test command and exactly what CI runs.
 #
@@ -88,6 +91,10 @@ if [[ "${1:-}" == "--sanitize" ]]; then
   sanitized_suites
   exit 0
 fi
+
+stamp "stage 0: layering of the headers"
+python3 scripts/check-layers.py
+note "stage 0 (layers: scripts/check-layers.py): passed"
 
 stamp "stage 1: torch 2.11 (CUDA build, run without a GPU), release build and the CTest suite"
 build=${DDPKIT_BUILD_DIR:-build-test}

@@ -137,13 +137,13 @@ concept engine_reports_wait = requires(E e) {
 };
 
 }  // namespace ddpkit
-namespace ddpkit::train {
+namespace ddpkit::parallel {
 class LossScaler;
-}  // namespace ddpkit::train
+}  // namespace ddpkit::parallel
 namespace ddpkit {
 
 template <class E>
-concept engine_unscales_gradients = requires(E e, train::LossScaler& s) {
+concept engine_unscales_gradients = requires(E e, parallel::LossScaler& s) {
   { e.unscale_and_check(s) } -> std::convertible_to<bool>;
 };
 

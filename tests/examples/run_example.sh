@@ -24,6 +24,10 @@ acc=$(sed -n 's/.*"final_val_acc": \([0-9.e-]*\).*/\1/p' "$out/summary.json")
 cat "$out/summary.json"
 awk -v a="$acc" -v m="$min_acc" 'BEGIN { if (a + 0 < m + 0) { printf "final val_acc %s below %s\n", a, m; exit 1 } }'
 echo "final val_acc $acc >= $min_acc"
+# The version, as include/ddpkit/version.hpp says it.
+version=$(sed -n 's/^#define DDPKIT_VERSION_STRING "\(.*\)"/\1/p' "$(dirname "$0")/../../include/ddpkit/version.hpp")
+grep -qF "\"ddpkit_version\": \"$version\"" "$out/summary.json" ||
+  { echo "summary.json lacks \"ddpkit_version\": \"$version\""; exit 1; }
 IFS=, read -ra wanted <<< "${EXPECT_SUMMARY:-}"
 for w in "${wanted[@]}"; do
   grep -qF -- "$w" "$out/summary.json" || { echo "summary.json lacks $w"; exit 1; }

@@ -1,7 +1,7 @@
 // Mixed precision: the fused unscale-and-check (LossScaler) and autocast.
 #include "../support.hpp"
 #include "ddpkit/dist/compat_core.hpp"
-#include "ddpkit/train/amp.hpp"
+#include "ddpkit/parallel/loss_scaler.hpp"
 
 using namespace ddpkit;
 
@@ -27,7 +27,7 @@ TEST_SUITE("train") {
   // libtorch 1.13 has the fused kernel on CUDA only.
   TEST_CASE("LossScaler: unscales in one pass, skips steps with inf/NaN") {
     dist::Group solo;  // a world of one
-    train::LossScaler scaler(1024.0);
+    parallel::LossScaler scaler(1024.0);
     auto params = params_with_grads(
         {torch::full({3}, 2048.0), torch::full({2, 2}, -512.0)}, torch::kCPU);
     CHECK(scaler.unscale_and_check(params, solo, false));
@@ -63,7 +63,7 @@ TEST_SUITE("cuda") {
     dist::Group solo;
     // A scale far beyond float16's range: the first steps overflow and
     // must be skipped (weights untouched) while the scale halves.
-    train::LossScaler scaler(1e30);
+    parallel::LossScaler scaler(1e30);
     double first_loss = -1, last_loss = 0;
     int skipped = 0;
     for (int step = 0; step < 200; ++step) {

@@ -176,7 +176,7 @@ struct DataParallel {
     }
     /// Mixed precision: the master's gradients (the replicas' summed into
     /// them) divided by the loss scale; false if any is inf/NaN.
-    bool unscale_and_check(train::LossScaler& scaler) {
+    bool unscale_and_check(LossScaler& scaler) {
       return scaler.unscale_and_check(as_module(model_).parameters(),
                                       dist::Group(), false);
     }

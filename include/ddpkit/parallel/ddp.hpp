@@ -178,7 +178,7 @@ struct BasicDDP {
     /// the reducer's flat buckets, which hold them all: a few large tensors,
     /// not one per parameter) and tells whether the step may be taken: false
     /// on every rank if any rank found an inf/NaN (one max all-reduce).
-    bool unscale_and_check(train::LossScaler& scaler) {
+    bool unscale_and_check(LossScaler& scaler) {
       if (!reducer_) {
         return scaler.unscale_and_check(as_module(model_).parameters(), group_,
                                         false);

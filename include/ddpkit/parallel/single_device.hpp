@@ -9,7 +9,7 @@
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/dist/process_group.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
-#include "ddpkit/train/amp.hpp"
+#include "ddpkit/parallel/loss_scaler.hpp"
 
 namespace ddpkit::parallel {
 
@@ -30,7 +30,7 @@ struct SingleDeviceOptions {};
 /// `engine<Model>` with: a constructor `(Model, dist::Group, options_type,
 /// torch::Device)`, `module()`, `forward(x)`, `forward_backward(x, y,
 /// loss_fn)` returning `StepOutput`, `zero_grad()`, `no_sync()`,
-/// `unscale_and_check(train::LossScaler&)` and `last_wait_seconds()`.
+/// `unscale_and_check(LossScaler&)` and `last_wait_seconds()`.
 struct SingleDevice {
   using parallel_concept = parallel_tag;
   static constexpr bool is_multi_process = false;
@@ -78,7 +78,7 @@ struct SingleDevice {
     }
     /// Mixed precision: divides the gradients by the loss scale; false (skip
     /// the step) if any is inf/NaN.
-    bool unscale_and_check(train::LossScaler& scaler) {
+    bool unscale_and_check(LossScaler& scaler) {
       return scaler.unscale_and_check(as_module(model_).parameters(),
                                       dist::Group(), false);
     }

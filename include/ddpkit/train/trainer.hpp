@@ -27,10 +27,8 @@
 #include "ddpkit/data/samplers.hpp"
 #include "ddpkit/dist/collectives.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
-#include "ddpkit/parallel/data_parallel.hpp"
-#include "ddpkit/parallel/ddp.hpp"
-#include "ddpkit/parallel/single_device.hpp"
-#include "ddpkit/train/amp.hpp"
+#include "ddpkit/parallel/loss_scaler.hpp"
+#include "ddpkit/parallel/module_utils.hpp"
 #include "ddpkit/train/callbacks.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/clip.hpp"
@@ -39,8 +37,13 @@
 #include "ddpkit/train/reduction.hpp"
 #include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/tensorboard.hpp"
+#include "ddpkit/version.hpp"
 
 namespace ddpkit::train {
+
+/// The loss scaler lives with the engines that unscale (parallel/); the
+/// Trainer's name for it stays.
+using parallel::LossScaler;
 
 /// What the Trainer does; each field says whether changing it after
 /// construction has effect (all are read at `fit`).
@@ -420,6 +423,8 @@ class Trainer : private CheckpointWriter {
   void write_summary(const FitResult& r, const EvalResult* test) const {
     JsonObject j;
     j.add("example", options_.run_name())
+        .add("ddpkit_version", std::string(ddpkit::version))
+        .add("libtorch_version", ddpkit::compat::torch_version())
         .add("mode", std::string(Parallel::name))
         .add("world_size", world())
         .add("transport", Parallel::is_multi_process ? group_.transport()

@@ -15,7 +15,7 @@
 
 #include "ddpkit/dist/collectives.hpp"
 
-namespace ddpkit::train {
+namespace ddpkit::parallel {
 
 class LossScaler {
  public:
@@ -86,4 +86,4 @@ class LossScaler {
   int good_steps_ = 0;
 };
 
-}  // namespace ddpkit::train
+}  // namespace ddpkit::parallel
