@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # TensorBoard files as TensorBoard reads them.
-#   tensorboard_check.sh check OUT
+#   tensorboard_check.sh check OUT [EVERY]
 #     OUT/tb opens in TensorBoard's EventAccumulator; every record's CRCs
 #     pass TensorBoard's own record reader; the recipe's per-epoch tags
 #     (train/loss, train/acc, val/loss, val/acc, lr) and the throughput
 #     tags hold exactly OUT/metrics.jsonl's values (float32), one event per
 #     epoch; train/loss_step has no step twice; the settings are there as
-#     text.
+#     text. EVERY: the run's --log-every-n-steps; then train/loss_step must
+#     hold a finite loss at exactly the steps EVERY, 2·EVERY, ... up to the
+#     run's last global step (OUT/checkpoints/last.pt's global_step; without
+#     last.pt, at least one event), none with EVERY 0.
 #   tensorboard_check.sh kill-resume BINARY OUT ARGS...
 #     Runs BINARY --out OUT ARGS, SIGKILLs it half a second into its third
 #     epoch (ARGS should make an epoch last a few seconds), runs it again
-#     with --resume auto, then does `check OUT`.
+#     with --resume auto, then does `check OUT EVERY`, EVERY being ARGS'
+#     --log-every-n-steps (the examples' default, 50, without it).
 set -euo pipefail
 source "$(dirname "$0")/torch_python.sh"
 if ! "$py" -c "import tensorboard" 2>/dev/null; then
@@ -23,9 +27,19 @@ if ! "$py" -c "import tensorboard" 2>/dev/null; then
 fi
 mode=$1
 shift
-if [[ $mode == kill-resume ]]; then
+every=""
+if [[ $mode == check ]]; then
+  every=${2:-}
+elif [[ $mode == kill-resume ]]; then
   bin=$1 out=$2
   shift 2
+  every=50  # ddpkit::cli's default
+  prev=""
+  for a in "$@"; do
+    [[ $prev == --log-every-n-steps ]] && every=$a
+    [[ $a == --log-every-n-steps=* ]] && every=${a#*=}
+    prev=$a
+  done
   rm -rf "$out"
   setsid "$bin" --out "$out" "$@" &
   pid=$!
@@ -40,8 +54,11 @@ if [[ $mode == kill-resume ]]; then
   echo "killed after $(wc -l < "$out/metrics.jsonl") epochs; resuming"
   "$bin" --out "$out" "$@" --resume auto
   set -- "$out"
+else
+  echo "usage: tensorboard_check.sh check OUT [EVERY] | kill-resume BINARY OUT ARGS..."
+  exit 2
 fi
-"$py" - "$1" <<'PY'
+"$py" - "$1" "$every" <<'PY'
 import glob, json, math, os, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.compat.tensorflow_stub import errors
@@ -49,6 +66,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_
 from tensorboard.util import tensor_util
 
 out = sys.argv[1]
+every = int(sys.argv[2]) if sys.argv[2] else None
 files = sorted(glob.glob(os.path.join(out, "tb", "events.out.tfevents.*")))
 if not files:
     sys.exit(f"no event files in {out}/tb")
@@ -87,15 +105,34 @@ for tag, key in tags.items():
             print(f"{tag} epoch {e.step}: TensorBoard {e.value!r}, metrics.jsonl {want!r}")
             bad += 1
 print(f"{len(tags)} tags x {len(rows)} epochs compared with metrics.jsonl")
-if "train/loss_step" in have:
-    steps = [e.step for e in acc.Scalars("train/loss_step")]
-    if len(set(steps)) != len(steps) or steps != sorted(steps):
-        print(f"train/loss_step steps repeat or go back: {steps}")
-        bad += 1
-    else:
-        print(f"train/loss_step: {len(steps)} events, steps {steps[0]}..{steps[-1]}, none twice")
+loss_steps = acc.Scalars("train/loss_step") if "train/loss_step" in have else []
+steps = [e.step for e in loss_steps]
+if len(set(steps)) != len(steps) or steps != sorted(steps):
+    print(f"train/loss_step steps repeat or go back: {steps}")
+    bad += 1
+elif steps:
+    print(f"train/loss_step: {len(steps)} events, steps {steps[0]}..{steps[-1]}, none twice")
 else:
-    print("no train/loss_step events (fewer batches than --log-every-n-steps?)")
+    print("no train/loss_step events")
+if every is not None:
+    last = os.path.join(out, "checkpoints", "last.pt")
+    if every == 0:
+        want = []
+    elif os.path.exists(last):
+        import torch
+        global_step = int(torch.load(last)["global_step"])
+        want = list(range(every, global_step + 1, every))
+        print(f"--log-every-n-steps {every}, {global_step} steps in all (last.pt): "
+              f"{len(want)} train/loss_step events expected")
+    else:
+        want = list(range(every, every * max(len(steps), 1) + 1, every))
+    if steps != want:
+        print(f"train/loss_step at steps {steps}, expected {want}")
+        bad += 1
+    nonfinite = [e.step for e in loss_steps if not math.isfinite(e.value)]
+    if nonfinite:
+        print(f"train/loss_step not finite at steps {nonfinite}")
+        bad += 1
 texts = acc.Tags()["tensors"]
 if "hparams" not in texts:
     print(f"no hparams text; tensor tags {texts}")

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <type_traits>
 
 #include "../support.hpp"
 #include "ddpkit/parallel.hpp"
@@ -288,6 +289,51 @@ DDPKIT_WORKER(powersgd_feedback) {
   return 0;
 }
 
+constexpr int64_t kWarmSteps = 6;
+
+/// The mean gradient of the warm-start test, 6×10: U·diag(σ)·Vᵀ with
+/// σ = 4, 2, 1, 0.5, 0.25, 0.125 (U, V orthonormal), so power iteration at
+/// rank 1 converges at (σ₂/σ₁)² = 1/4 per step.
+torch::Tensor powersgd_mean_gradient() {
+  auto gen = at::detail::createCPUGenerator(31);
+  auto u = std::get<0>(torch::linalg_qr(torch::randn({6, 6}, gen)));
+  auto v = std::get<0>(torch::linalg_qr(torch::randn({10, 6}, gen)));
+  auto sigma = torch::tensor({4.0, 2.0, 1.0, 0.5, 0.25, 0.125});
+  return (u * sigma).mm(v.t());
+}
+
+/// The PowerSGD hook alone (no reducer) at rank 1, no error feedback, on
+/// one 6×10 gradient per rank, the same every step, the ranks' mean being
+/// powersgd_mean_gradient(); T_WARM=0 turns the warm start off. Each rank
+/// saves the averaged gradient of every step.
+DDPKIT_WORKER(powersgd_warm_start) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  parallel::PowerSGD hook(parallel::PowerSGDOptions()
+                              .rank(1)
+                              .start_step(0)
+                              .min_compression_rate(0)
+                              .error_feedback(false)
+                              .warm_start(env_or("T_WARM", "1") == "1"));
+  auto noise = torch::randn({6, 10}, at::detail::createCPUGenerator(32));
+  const auto mine = powersgd_mean_gradient() + (r == 0 ? noise : -noise);
+  auto buffer = torch::empty({60});
+  const std::vector<torch::Tensor> grads{buffer.view({6, 10})};
+  const std::vector<std::size_t> params{0};
+  std::vector<torch::Tensor> out;
+  for (int64_t s = 0; s < kWarmSteps; ++s) {
+    grads[0].copy_(mine);
+    parallel::GradBucket b{0, 1, s, buffer, grads, params};
+    auto f = hook.run(g, b);
+    while (f.pending()) f.advance(g, "PowerSGD test bucket");
+    out.push_back(grads[0].clone());
+  }
+  torch::save(
+      out,
+      (test::worker_dir() / ("warm" + std::to_string(r) + ".pt")).string());
+  return 0;
+}
+
 DDPKIT_WORKER(syncbn_unequal) {
   auto g = device_worker_group();
   const int r = g.rank();
@@ -424,7 +470,7 @@ DDPKIT_WORKER(amp_unscale) {
   auto net = test::make_net(100);
   parallel::DDP::engine<test::SmallNet> eng(net, g, parallel::DDPOptions(),
                                             torch::kCPU);
-  train::LossScaler scaler(1024.0);
+  parallel::LossScaler scaler(1024.0);
   auto [x, y] = test::global_batch(0, 2 * kPerRank);
   auto xr = x.narrow(0, r * kPerRank, kPerRank);
   auto yr = y.narrow(0, r * kPerRank, kPerRank);
@@ -484,7 +530,8 @@ DDPKIT_WORKER(ddp_syncbn_unequal) {
 
 /// Rank 0 evaluates a synchronised BN with track_running_stats=false alone
 /// (batch statistics in eval mode); rank 1 does nothing. Evaluation must not
-/// communicate (PyTorch's rule), so rank 0 finishes with local statistics.
+/// communicate (PyTorch's rule), so rank 0 finishes with local statistics
+/// and starts no collective.
 DDPKIT_WORKER(syncbn_eval_alone) {
   auto g = test::worker_group();
   if (g.rank() != 0) return 0;
@@ -492,11 +539,61 @@ DDPKIT_WORKER(syncbn_eval_alone) {
   nn::convert_sync_batchnorm(*bn, g);
   bn->eval();
   auto x = torch::randn({6, 4, 3, 3}, at::detail::createCPUGenerator(9));
+  const auto before = g.collectives_started();
   auto y = bn(x);
+  const auto during = g.collectives_started() - before;
   auto want = torch::batch_norm(x, bn->weight, bn->bias, {}, {}, true, 0.1,
                                 1e-5, false);
   std::ofstream(test::worker_dir() / "eval0")
-      << test::rel_diff(y, want) << " " << g.collectives_started();
+      << test::rel_diff(y, want) << " " << during;
+  return 0;
+}
+
+/// Both ranks, after one synchronised training forward (the SyncBN side
+/// group exists and the running statistics moved), evaluate on batches of
+/// their own: SmallNet's SyncBNs with running statistics, and a SyncBN with
+/// track_running_stats=false (batch statistics). Each rank writes the
+/// collectives started during evaluation and the relative differences to
+/// the same layers unsynchronised.
+DDPKIT_WORKER(syncbn_eval_both) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  auto net = test::make_net(100, /*bn=*/true);
+  nn::SyncBN::apply(*net, g);
+  nn::BatchNorm2d batch_stats(
+      torch::nn::BatchNormOptions(3).track_running_stats(false));
+  nn::convert_sync_batchnorm(*batch_stats, g);
+  auto [x_train, y_train] = test::global_batch(0, 2 * kPerRank);
+  net->forward(x_train.narrow(0, r * kPerRank, kPerRank));
+  // The same weights and running statistics, unsynchronised.
+  auto local = test::make_net(0, /*bn=*/true);
+  {
+    torch::NoGradGuard no_grad;
+    auto src = net->named_parameters(), dst = local->named_parameters();
+    for (auto& p : src) dst[p.key()].copy_(p.value());
+    auto bsrc = net->named_buffers(), bdst = local->named_buffers();
+    for (auto& b : bsrc) bdst[b.key()].copy_(b.value());
+  }
+  net->eval();
+  local->eval();
+  batch_stats->eval();
+  auto x = torch::randn({5, 3, 8, 8}, at::detail::createCPUGenerator(20 + r));
+  const auto before = g.collectives_started();
+  torch::Tensor y, y_batch;
+  {
+    torch::NoGradGuard no_grad;
+    y = net->forward(x);
+    y_batch = batch_stats(x);
+  }
+  const auto during = g.collectives_started() - before;
+  torch::NoGradGuard no_grad;
+  const auto want = local->forward(x);
+  const auto want_batch =
+      torch::batch_norm(x, batch_stats->weight, batch_stats->bias, {}, {}, true,
+                        0.1, 1e-5, false);
+  std::ofstream(test::worker_dir() / ("eval" + std::to_string(r)))
+      << during << " " << test::rel_diff(y, want) << " "
+      << test::rel_diff(y_batch, want_batch);
   return 0;
 }
 
@@ -1008,10 +1105,11 @@ HeadFirstNet make_head_first(uint64_t seed) {
   return HeadFirstNet();
 }
 
-/// SGD with momentum on the head-first net: one process on the joined
-/// batch, or one rank's part through the DDP engine.
-void train_head_first(HeadFirstNet& net, int world, int rank,
-                      parallel::DDP::engine<HeadFirstNet>* eng) {
+/// SGD with momentum on the head-first (or branch) net: one process on the
+/// joined batch, or one rank's part through the DDP engine.
+template <class Net>
+void train_head_first(Net& net, int world, int rank,
+                      std::type_identity_t<parallel::DDP::engine<Net>>* eng) {
   torch::optim::SGD opt(net->parameters(),
                         torch::optim::SGDOptions(0.1).momentum(0.9));
   for (int s = 0; s < kSteps; ++s) {
@@ -1027,6 +1125,65 @@ void train_head_first(HeadFirstNet& net, int world, int rank,
     }
     opt.step();
   }
+}
+
+/// Two branches a and b (12→8 each, tanh) summed into a head (8→5).
+/// `a_first` orders the forward only: the function is the same, but
+/// backward runs the branch recorded last first (autograd takes the
+/// latest node first), so a rank with a_first gets b's gradients before
+/// a's, and one without gets a's first.
+struct BranchNetImpl : torch::nn::Cloneable<BranchNetImpl> {
+  BranchNetImpl() {
+    reset();
+  }
+  void reset() override {
+    // Registered head first: the initial buckets (reverse registration
+    // order) are neither rank's arrival order.
+    head = register_module("head", torch::nn::Linear(8, 5));
+    a = register_module("a", torch::nn::Linear(12, 8));
+    b = register_module("b", torch::nn::Linear(12, 8));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x.mean({2, 3}).repeat({1, 4});
+    torch::Tensor ha, hb;
+    if (a_first) {
+      ha = torch::tanh(a(x));
+      hb = torch::tanh(b(x));
+    } else {
+      hb = torch::tanh(b(x));
+      ha = torch::tanh(a(x));
+    }
+    return head(ha + hb);
+  }
+  bool a_first = true;
+  torch::nn::Linear a{nullptr}, b{nullptr}, head{nullptr};
+};
+TORCH_MODULE(BranchNet);
+
+BranchNet make_branch(uint64_t seed, bool a_first) {
+  torch::manual_seed(seed);
+  BranchNet net;
+  net->a_first = a_first;
+  return net;
+}
+
+/// The order (parameter names, comma-separated) in which one backward of
+/// `net` on a batch delivers the gradients.
+std::string arrival_order(BranchNet& net) {
+  std::string order;
+  std::vector<std::pair<torch::Tensor, unsigned>> hooks;
+  for (auto& p : net->named_parameters()) {
+    const auto name = p.key();
+    hooks.emplace_back(p.value(),
+                       p.value().register_hook([&order, name](torch::Tensor) {
+                         order += (order.empty() ? "" : ",") + name;
+                       }));
+  }
+  auto [x, y] = test::global_batch(0, kPerRank);
+  test::ce_loss(net->forward(x), y).backward();
+  for (auto& [t, h] : hooks) t.remove_hook(h);
+  net->zero_grad();
+  return order;
 }
 
 /// Writes the names in bucket 0 before and after training (the first
@@ -1050,6 +1207,33 @@ DDPKIT_WORKER(bucket_rebuild) {
       << before << " " << first() << " " << eng.reducer()->rebuilds();
   torch::save(
       net, (test::worker_dir() / ("hf" + std::to_string(g.rank()))).string() +
+               ".pt");
+  return 0;
+}
+
+/// The branch net with a_first on rank 0 only, so the ranks' first steps
+/// deliver gradients in different orders: writes every bucket's
+/// parameters in order (comma-separated) before and after training.
+DDPKIT_WORKER(bucket_rebuild_disagree) {
+  auto g = test::worker_group();
+  auto net = make_branch(90 + g.rank(), /*a_first=*/g.rank() == 0);
+  parallel::DDPOptions opts;
+  opts.reducer(one_param_buckets().rebuild_buckets(true));
+  parallel::DDP::engine<BranchNet> eng(net, g, opts, torch::kCPU);
+  auto names = net->named_parameters().keys();
+  auto order = [&] {
+    std::string out;
+    for (const auto& b : eng.reducer()->buckets()) {
+      for (auto i : b.params) out += (out.empty() ? "" : ",") + names[i];
+    }
+    return out;
+  };
+  const auto before = order();
+  train_head_first(net, g.size(), g.rank(), &eng);
+  std::ofstream(test::worker_dir() / ("order" + std::to_string(g.rank())))
+      << before << " " << order() << " " << eng.reducer()->rebuilds();
+  torch::save(
+      net, (test::worker_dir() / ("br" + std::to_string(g.rank()))).string() +
                ".pt");
   return 0;
 }
@@ -1358,6 +1542,63 @@ TEST_SUITE("parallel") {
   }
 
   TEST_CASE(
+      "DDP PowerSGD: the warm start continues the power iteration from last "
+      "step's Q") {
+    const auto mean = powersgd_mean_gradient().to(torch::kDouble);
+    // The best rank-1 approximation's error, ‖M - M₁‖ = sqrt(Σ_{i≥2} σᵢ²).
+    const double best = std::sqrt(4.0 + 1.0 + 0.25 + 0.0625 + 0.015625);
+    for (bool warm : {true, false}) {
+      CAPTURE(warm);
+      TempDir dir;
+      auto res = run_workers("powersgd_warm_start", 2, dir.str(),
+                             {{"T_WARM", warm ? "1" : "0"}});
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      std::vector<torch::Tensor> out0, out1;
+      torch::load(out0, (dir / "warm0.pt").string());
+      torch::load(out1, (dir / "warm1.pt").string());
+      REQUIRE(out0.size() == static_cast<std::size_t>(kWarmSteps));
+      REQUIRE(out1.size() == out0.size());
+      double worst_step = 0;  // largest difference to the power iteration
+      std::vector<double> err;
+      for (std::size_t s = 0; s < out0.size(); ++s) {
+        CAPTURE(s);
+        CHECK(test::rel_diff(out0[s], out1[s]) == 0);  // ranks agree
+        const auto got = out0[s].to(torch::kDouble);
+        err.push_back((mean - got).norm().item<double>());
+        if (s == 0) continue;
+        // One power-iteration step from last step's result P·Qᵀ (rank 1,
+        // so its rows are multiples of Qᵀ): v = Q/‖Q‖, u = M·v/‖M·v‖, and
+        // the gradient becomes u·(Mᵀ·u)ᵀ = u·uᵀ·M.
+        const auto prev = out0[s - 1].to(torch::kDouble);
+        const auto row = prev.norm(2, {1}).argmax().item<int64_t>();
+        const auto v = prev[row] / prev[row].norm();
+        auto u = mean.mv(v);
+        u = u / u.norm();
+        const auto want = torch::outer(u, u).mm(mean);
+        worst_step = std::max(worst_step, test::rel_diff(got, want));
+      }
+      std::string errs;
+      for (double e : err) errs += " " + std::to_string(e);
+      MESSAGE(std::string(warm ? "warm start" : "random Q each step"),
+              ": ‖mean - approximation‖ per step" + errs, " (best ", best,
+              "); largest relative difference to one power-iteration step "
+              "from the previous result ",
+              worst_step);
+      if (warm) {
+        CHECK(worst_step <= 1e-4);
+        for (std::size_t s = 1; s < err.size(); ++s) {
+          CHECK(err[s] <= err[s - 1] + 1e-6);  // power iteration converges
+        }
+        CHECK(err.front() > best * 1.001);  // it had something to converge
+        CHECK(err.back() <= best * 1.0001);
+      } else {
+        CHECK(worst_step > 1e-2);  // the check above can tell
+      }
+    }
+  }
+
+  TEST_CASE(
       "DDP: compressed gradients stay within their documented tolerance") {
     auto ref = reference(2, false);
     for (auto [comm, tol] : {std::pair{std::string("fp16"), 1e-3},
@@ -1549,8 +1790,29 @@ TEST_SUITE("parallel") {
         run_workers("syncbn_unequal", 2, dir.str(), {{"T_DROP_MODULE", "1"}})
             .ok());
     check_syncbn_unequal(dir.path(), 1e-5);
+    // Both ranks evaluating, on different batches: no collective, and each
+    // rank's own statistics (batch) or the running ones.
+    TempDir both;
+    auto res = run_workers("syncbn_eval_both", 2, both.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      std::ifstream f(both / ("eval" + std::to_string(r)));
+      uint64_t during = 1;
+      double d_running = 1, d_batch = 1;
+      f >> during >> d_running >> d_batch;
+      MESSAGE("rank ", r, " in eval: ", during,
+              " collective(s); relative difference to unsynchronised BN ",
+              d_running, " (running statistics), ", d_batch,
+              " (batch statistics)");
+      CHECK(during == 0);
+      CHECK(d_running <= 1e-6);
+      CHECK(d_batch <= 1e-6);
+    }
+    // Rank 0 evaluating alone: no collective (one would wait for rank 1).
     TempDir eval;
-    auto res = run_workers("syncbn_eval_alone", 2, eval.str());
+    res = run_workers("syncbn_eval_alone", 2, eval.str());
     CAPTURE(res.message);
     REQUIRE(res.ok());
     std::ifstream in(eval / "eval0");
@@ -1558,8 +1820,9 @@ TEST_SUITE("parallel") {
     uint64_t collectives = 1;
     in >> d >> collectives;
     MESSAGE("rank 0 alone in eval: relative difference to local batch norm ", d,
-            ", ", collectives, " collective(s) after set-up");
+            ", ", collectives, " collective(s) during evaluation");
     CHECK(d <= 1e-6);
+    CHECK(collectives == 0);
   }
 
   TEST_CASE("BatchNorm2d matches torch::nn::BatchNorm2d and its state dict") {
@@ -1801,6 +2064,38 @@ TEST_SUITE("parallel") {
       torch::load(net, (dir / ("hf" + std::to_string(r))).string() + ".pt");
       double d = test::max_state_diff(*net, *ref);
       MESSAGE("rank ", r, ": max relative difference ", d);
+      CHECK(d <= 1e-5);
+    }
+  }
+
+  TEST_CASE(
+      "DDP: ranks whose gradients arrive in different orders all rebuild "
+      "their buckets in rank 0's order, with the same results") {
+    // Each rank's own order, measured on one process: they differ.
+    auto own0 = make_branch(90, true), own1 = make_branch(90, false);
+    const auto order0 = arrival_order(own0), order1 = arrival_order(own1);
+    MESSAGE("arrival order with a first: ", order0, "; with b first: ", order1);
+    REQUIRE(order0 != order1);
+    auto ref = make_branch(90, true);
+    train_head_first(ref, 2, 0, nullptr);
+    TempDir dir;
+    auto res = run_workers("bucket_rebuild_disagree", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      std::ifstream in(dir / ("order" + std::to_string(r)));
+      std::string before, after;
+      int rebuilds = -1;
+      in >> before >> after >> rebuilds;
+      MESSAGE("rank ", r, ": buckets ", before, ", then ", after);
+      CHECK(before != order0);  // the rebuild changes every rank's buckets
+      CHECK(after == order0);   // rank 0's arrival order, on every rank
+      CHECK(rebuilds == 1);
+      auto net = make_branch(0, true);
+      torch::load(net, (dir / ("br" + std::to_string(r))).string() + ".pt");
+      double d = test::max_state_diff(*net, *ref);
+      MESSAGE("rank ", r, ": max relative difference to one process ", d);
       CHECK(d <= 1e-5);
     }
   }
