@@ -40,8 +40,7 @@ bool has_flag(int argc, char** argv, const char* name) {
   return false;
 }
 
-std::string arg_str(int argc, char** argv, const char* name,
-                    const char* dflt) {
+std::string arg_str(int argc, char** argv, const char* name, const char* dflt) {
   for (int i = 1; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
   return dflt;
@@ -62,7 +61,8 @@ int main(int argc, char** argv) {
   }
   const bool amp = has_flag(argc, argv, "--amp");
   if (device_name == "cuda" && !torch::cuda::is_available()) {
-    std::fprintf(stderr, "error: --device cuda, but no CUDA device is visible\n");
+    std::fprintf(stderr,
+                 "error: --device cuda, but no CUDA device is visible\n");
     return 2;
   }
   if (amp && device_name != "cuda") {
@@ -91,8 +91,9 @@ int main(int argc, char** argv) {
   std::vector<torch::Tensor> xs, ys;
   for (int k = 0; k < 4; ++k) {
     xs.push_back(torch::randn({batch, 3, size, size}, device));
-    ys.push_back(torch::randint(0, 5, {batch},
-                                torch::TensorOptions().dtype(torch::kLong).device(device)));
+    ys.push_back(torch::randint(
+        0, 5, {batch},
+        torch::TensorOptions().dtype(torch::kLong).device(device)));
   }
   auto ce = [](const torch::Tensor& out, const torch::Tensor& y) {
     return torch::nn::functional::cross_entropy(out.to(torch::kFloat32), y);
@@ -105,10 +106,10 @@ int main(int argc, char** argv) {
       const double scale = scaler.scale();
       {
         ddpkit::compat::AutocastGuard autocast(true, torch::kHalf);
-        engine.forward_backward(x, y, [&](const torch::Tensor& o,
-                                          const torch::Tensor& t) {
-          return ce(o, t) * scale;
-        });
+        engine.forward_backward(
+            x, y, [&](const torch::Tensor& o, const torch::Tensor& t) {
+              return ce(o, t) * scale;
+            });
       }
       if (scaler.unscale_and_check(model.parameters(), solo, false)) sgd.step();
     } else {

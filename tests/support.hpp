@@ -80,16 +80,17 @@ inline void save_tensors(
 /// torch and torchvision, arguments `args`; its exit status. When there is
 /// no such Python: a failure under CI, else a loud skip (returns -1).
 inline int run_python_check(const std::filesystem::path& dir,
-                            const std::string& check,
-                            const std::string& args) {
+                            const std::string& check, const std::string& args) {
   const auto py = python_with_torch();
   if (py.empty()) {
     // scripts/install-deps.sh makes the environment: in CI it must be there.
     if (in_ci()) {
-      FAIL("no Python with torch and torchvision (run scripts/install-deps.sh)");
+      FAIL(
+          "no Python with torch and torchvision (run scripts/install-deps.sh)");
     }
-    MESSAGE("SKIPPED: no Python with torch and torchvision (run "
-            "scripts/install-deps.sh)");
+    MESSAGE(
+        "SKIPPED: no Python with torch and torchvision (run "
+        "scripts/install-deps.sh)");
     return -1;
   }
   std::ofstream(dir / "check.py") << check;

@@ -49,9 +49,8 @@ struct CommonArgs {
 /// Adds the common flags to `app`, with `args`' current values as defaults.
 inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.set_config("--config", "", "read these options from a TOML/INI file");
-  app.set_version_flag("--version",
-                       std::string("ddpkit ") + ddpkit::version + ", libtorch " +
-                           TORCH_VERSION);
+  app.set_version_flag("--version", std::string("ddpkit ") + ddpkit::version +
+                                        ", libtorch " + TORCH_VERSION);
   app.add_option("--data", args.data,
                  "dataset folder (default: built-in synthetic data)");
   app.add_option("--out", args.out,

@@ -31,14 +31,12 @@ concept yields_index_batches = requires(S s, std::size_t n) {
   typename S::BatchRequestType;
   // libtorch's optional (c10::optional in 1.x, std::optional in 2.x).
   { *s.next(n) } -> std::convertible_to<std::vector<std::size_t>>;
-  {static_cast<bool>(s.next(n))};
+  { static_cast<bool>(s.next(n)) };
   s.reset();
 };
 
 template <class S>
-concept follows_epochs = requires(S s, std::size_t e) {
-  s.set_epoch(e);
-};
+concept follows_epochs = requires(S s, std::size_t e) { s.set_epoch(e); };
 
 template <class S>
 concept says_if_distributed = requires {
@@ -48,7 +46,7 @@ concept says_if_distributed = requires {
 /// A sampler usable by the Trainer (and by `torch::data::make_data_loader`).
 template <class S>
 concept sampler_policy = declares_sampler_tag<S> && yields_index_batches<S> &&
-    follows_epochs<S> && says_if_distributed<S>;
+                         follows_epochs<S> && says_if_distributed<S>;
 
 /// A sampler that gives each rank its own shard.
 template <class S>
@@ -57,8 +55,7 @@ concept sharding_sampler = sampler_policy<S> && S::is_distributed;
 template <class S>
 inline constexpr bool is_sampler_policy_v = sampler_policy<S>;
 
-// ---- parallel policies
-// -------------------------------------------------------
+// ---- parallel policies ------------------------------------------------------
 
 template <class P>
 concept declares_parallel_tag =
@@ -77,7 +74,7 @@ concept says_if_multi_replica = requires {
 /// SingleDevice, DataParallel, DDP, or your own.
 template <class P>
 concept parallel_policy = declares_parallel_tag<P> &&
-    says_if_multi_process<P> && says_if_multi_replica<P>;
+                          says_if_multi_process<P> && says_if_multi_replica<P>;
 
 /// A policy that runs one process per device and so needs a sharding sampler
 /// and may synchronise batch-norm statistics across processes.
@@ -118,18 +115,14 @@ concept engine_runs_steps = requires(
   { e.forward_backward(x, x, loss).loss } -> std::convertible_to<torch::Tensor>;
   {
     e.forward_backward(x, x, loss).output
-    } -> std::convertible_to<torch::Tensor>;
+  } -> std::convertible_to<torch::Tensor>;
 };
 
 template <class E>
-concept engine_zeroes_gradients = requires(E e) {
-  e.zero_grad();
-};
+concept engine_zeroes_gradients = requires(E e) { e.zero_grad(); };
 
 template <class E>
-concept engine_accumulates_without_sync = requires(E e) {
-  e.no_sync();
-};
+concept engine_accumulates_without_sync = requires(E e) { e.no_sync(); };
 
 template <class E>
 concept engine_reports_wait = requires(E e) {
@@ -153,21 +146,19 @@ concept engine_unscales_gradients = requires(E e, parallel::LossScaler& s) {
 /// unscale_and_check(LossScaler&) (the only way the Trainer unscales), and
 /// the seconds the last step waited for communication.
 template <class P, class M, class Group>
-concept parallel_engine = has_engine_for<P, M> && engine_constructible_from <
-                          typename P::template engine<M>,
-        M, Group,
-typename P::options_type >
-    &&engine_exposes_module<typename P::template engine<M>>&&
-        engine_runs_forward<typename P::template engine<M>>&& engine_runs_steps<
-            typename P::template engine<M>>&&
-            engine_zeroes_gradients<typename P::template engine<M>>&&
-                engine_accumulates_without_sync<
-                    typename P::template engine<M>>&&
-                    engine_unscales_gradients<typename P::template engine<M>>&&
-                        engine_reports_wait<typename P::template engine<M>>;
+concept parallel_engine =
+    has_engine_for<P, M> &&
+    engine_constructible_from<typename P::template engine<M>, M, Group,
+                              typename P::options_type> &&
+    engine_exposes_module<typename P::template engine<M>> &&
+    engine_runs_forward<typename P::template engine<M>> &&
+    engine_runs_steps<typename P::template engine<M>> &&
+    engine_zeroes_gradients<typename P::template engine<M>> &&
+    engine_accumulates_without_sync<typename P::template engine<M>> &&
+    engine_unscales_gradients<typename P::template engine<M>> &&
+    engine_reports_wait<typename P::template engine<M>>;
 
-// ---- batch-norm policies
-// -----------------------------------------------------
+// ---- batch-norm policies ----------------------------------------------------
 
 template <class B>
 concept declares_bn_tag = std::same_as<typename B::bn_concept, bn_tag>;
@@ -184,8 +175,7 @@ concept bn_policy = declares_bn_tag<B> && says_if_synchronized<B>;
 template <class B>
 inline constexpr bool is_bn_policy_v = bn_policy<B>;
 
-// ---- LR scaling
-// ----------------------------------------------------------------
+// ---- LR scaling -------------------------------------------------------------
 
 template <class L>
 concept declares_lr_scaling_tag =
@@ -203,8 +193,7 @@ concept lr_scaling_policy = declares_lr_scaling_tag<L> && scales_lr<L>;
 template <class L>
 inline constexpr bool is_lr_scaling_policy_v = lr_scaling_policy<L>;
 
-// ---- metric reduction
-// ------------------------------------------------------------
+// ---- metric reduction -------------------------------------------------------
 
 template <class R>
 concept declares_reduction_tag =
@@ -223,8 +212,7 @@ concept reduction_policy = declares_reduction_tag<R> && says_who_evaluates<R>;
 template <class R>
 inline constexpr bool is_reduction_policy_v = reduction_policy<R>;
 
-// ---- models and combinations
-// ---------------------------------------------------
+// ---- models and combinations ------------------------------------------------
 
 template <class M>
 concept is_module_pointer = requires(M m) {
@@ -245,16 +233,16 @@ concept trainable_model = is_module_pointer<M> && has_tensor_forward<M>;
 /// One process per device needs a sampler that shards; one process must not
 /// use one (it would see only part of the data).
 template <class Parallel, class Sampler>
-concept sampler_matches_parallel_policy = parallel_policy<Parallel> &&
-    sampler_policy<Sampler> &&
+concept sampler_matches_parallel_policy =
+    parallel_policy<Parallel> && sampler_policy<Sampler> &&
     // Fix: DDP takes DistributedSampling; SingleDevice/DataParallel take
     // RandomSampling or SequentialSampling.
     (Parallel::is_multi_process == Sampler::is_distributed);
 
 /// Synchronised batch norm needs several processes to synchronise.
 template <class Parallel, class BN>
-concept bn_matches_parallel_policy = parallel_policy<Parallel> &&
-    bn_policy<BN> &&
+concept bn_matches_parallel_policy =
+    parallel_policy<Parallel> && bn_policy<BN> &&
     // Fix: SyncBN needs a multi-process policy (DDP); use PlainBN otherwise.
     (!BN::is_synchronized || Parallel::is_multi_process);
 

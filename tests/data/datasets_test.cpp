@@ -1,7 +1,7 @@
 #include "../support.hpp"
 
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <numeric>
@@ -394,9 +394,10 @@ TEST_SUITE("data") {
         const double top = 37, left = 53, h = 101, w = 90;
         if (!decode_jpeg_region(bytes, top, left, h, w, part, block, o)) {
 #if defined(DDPKIT_HAS_JPEG_REGION)
-          FAIL("the build asked for the JPEG region decode "
-               "(DDPKIT_HAS_JPEG_REGION), but it declined: is libjpeg.so.62 "
-               "missing at run time?");
+          FAIL(
+              "the build asked for the JPEG region decode "
+              "(DDPKIT_HAS_JPEG_REGION), but it declined: is libjpeg.so.62 "
+              "missing at run time?");
 #else
           MESSAGE(
               "SKIPPED: built with -DDDPKIT_JPEG_REGION=OFF: region decode "
@@ -424,8 +425,11 @@ TEST_SUITE("data") {
       // TurboJPEG takes an output size, not a factor, and a 3x1 image is 1x1
       // at 1/8 and at 1/4, so it decoded at 1/4 while the region decode used
       // 1/8: different pixels. Both must now use the same factor.
-      for (auto [h, w] : {std::pair<int64_t, int64_t>{1, 3}, {2, 5}, {3, 7},
-                          {7, 2}, {5, 5}}) {
+      for (auto [h, w] : {std::pair<int64_t, int64_t>{1, 3},
+                          {2, 5},
+                          {3, 7},
+                          {7, 2},
+                          {5, 5}}) {
         auto tiny = (torch::rand({3, h, w}) * 255).to(torch::kUInt8);
         write_jpeg(tmp / "tiny.jpg", tiny, 90);
         const auto tb = read_file_bytes(tmp / "tiny.jpg");

@@ -78,7 +78,8 @@ TEST_SUITE("data") {
           torch::tensor({0.4914f, 0.4822f, 0.4465f}).view({1, 3, 1, 1});
       auto x = set.images.to(torch::kFloat) / 255;
       // Per image, raw = clamp(b x): check on pixels far from saturation.
-      auto ratio = (raw / x.clamp_min(1e-3)).masked_fill((x < 0.1) | (raw > 0.99), -1);
+      auto ratio =
+          (raw / x.clamp_min(1e-3)).masked_fill((x < 0.1) | (raw > 0.99), -1);
       for (int64_t i = 0; i < 4; ++i) {
         auto r = ratio[i].masked_select(ratio[i] > 0);
         CHECK((r.max() - r.min()).item<float>() < 0.02f);
@@ -151,8 +152,7 @@ TEST_SUITE("data") {
       // No try fits a 10x300 strip at ratio <= 4/3: torchvision's fallback,
       // the centre crop at the nearest allowed ratio.
       auto u = torch::rand({40}, g1);
-      auto b = random_resized_crop_box(10, 300, {0.08, 1.0},
-                                       {3.0 / 4, 4.0 / 3},
+      auto b = random_resized_crop_box(10, 300, {0.08, 1.0}, {3.0 / 4, 4.0 / 3},
                                        u.data_ptr<float>());
       CHECK(b.height == 10);
       CHECK(b.width == 13);
@@ -187,13 +187,17 @@ TEST_SUITE("data") {
     }
     auto order = torch::arange(4).repeat({n, 1});
     auto x = img.expand({n, 3, 24, 24}).to(torch::kFloat).reshape({n, 3, -1});
-    auto [M, t] = ddpkit::data::detail::jitter_affine_with(x.mean(2), b, c, s, h, order);
-    auto y = torch::baddbmm(t.unsqueeze(2), M, x).clamp_(0, 1).view(
-        {n, 3, 24, 24});
+    auto [M, t] =
+        ddpkit::data::detail::jitter_affine_with(x.mean(2), b, c, s, h, order);
+    auto y =
+        torch::baddbmm(t.unsqueeze(2), M, x).clamp_(0, 1).view({n, 3, 24, 24});
     ddpkit::test::TempDir tmp;
-    ddpkit::test::save_tensors(
-        tmp / "jitter.pt",
-        {{"x", img.squeeze(0)}, {"y", y}, {"b", b}, {"c", c}, {"s", s}, {"h", h}});
+    ddpkit::test::save_tensors(tmp / "jitter.pt", {{"x", img.squeeze(0)},
+                                                   {"y", y},
+                                                   {"b", b},
+                                                   {"c", c},
+                                                   {"s", s},
+                                                   {"h", h}});
     const int rc = ddpkit::test::run_python_check(tmp.path(), R"PY(
 import sys, torch
 import torchvision.transforms.functional as TF

@@ -218,7 +218,7 @@ torch.save({"r34": ty, "r18": ry}, d + "/tv_out.pt")
 torch.save({"only": ry}, d + "/one.pt")
 torch.save(dict(r.state_dict()), d + "/legacy.pth", _use_new_zipfile_serialization=False)
 )PY",
-                                                   tmp.str());
+                                                  tmp.str());
     if (rc == -1) return;  // no Python outside CI: skipped, loudly
     REQUIRE(rc == 0);
 

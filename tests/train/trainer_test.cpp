@@ -1304,7 +1304,7 @@ TEST_SUITE("train") {
     SingleDeviceTrainer<TinyNet> trainer(
         TinyNet(), adam(),
         base_options(out.path(), 3).verbose(false).tensorboard(false));
-    struct sigaction before {};
+    struct sigaction before{};
     ::sigaction(SIGINT, nullptr, &before);
     int sig = 0;
     try {
@@ -1321,14 +1321,14 @@ TEST_SUITE("train") {
     archive.read("epochs_done", epochs);
     CHECK(done.toInt() == 2);
     CHECK(epochs.toInt() == 1);
-    struct sigaction now {};
+    struct sigaction now{};
     ::sigaction(SIGINT, nullptr, &now);
     const bool restored = now.sa_handler == before.sa_handler;
     CHECK(restored);
     // Off: the signal keeps its usual effect (here a handler of the test's
     // own, which fit must not replace).
     static volatile std::sig_atomic_t seen = 0;
-    struct sigaction mine {};
+    struct sigaction mine{};
     mine.sa_handler = [](int) { seen = 1; };
     sigemptyset(&mine.sa_mask);
     ::sigaction(SIGINT, &mine, nullptr);

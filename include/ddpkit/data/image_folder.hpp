@@ -122,7 +122,7 @@ struct ImageFolderOptions {
   /// Seed of the split (the recipe seeds Python's `random` with 0).
   TORCH_ARG(std::uint64_t, seed) = 0;
   /// File extensions taken, compared case-insensitively.
-  TORCH_ARG(std::vector<std::string>, extensions) = {".jpg", ".jpeg", ".png"};
+  TORCH_ARG(std::vector<std::string>, extensions) = { ".jpg", ".jpeg", ".png" };
   /// Where to write class_indices.json (`{"0": "daisy", ...}`); empty: don't.
   TORCH_ARG(std::filesystem::path, class_indices_json) = "class_indices.json";
   /// When images are decoded to tensors (`ImageBatch::tensors()`, or

@@ -24,7 +24,8 @@
 // ddpkit's CMake asks for it (DDPKIT_HAS_JPEG_REGION) or opts out
 // (DDPKIT_NO_JPEG_REGION); without either, it is used where it is found.
 #if defined(DDPKIT_HAS_JPEG_REGION) && !__has_include(<jpeglib.h>)
-#error "DDPKIT_HAS_JPEG_REGION is set but jpeglib.h is missing: install libjpeg62-turbo-dev or define DDPKIT_NO_JPEG_REGION"
+#error \
+    "DDPKIT_HAS_JPEG_REGION is set but jpeglib.h is missing: install libjpeg62-turbo-dev or define DDPKIT_NO_JPEG_REGION"
 #endif
 #if __has_include(<jpeglib.h>) && __has_include(<dlfcn.h>) && !defined(DDPKIT_NO_JPEG_REGION)
 #define DDPKIT_JPEG_REGION 1
@@ -48,7 +49,8 @@
 #endif
 #if defined(DDPKIT_HAS_JPEG_REGION) && defined(DDPKIT_HAS_TURBOJPEG) && \
     !defined(DDPKIT_JPEG_REGION) && !defined(DDPKIT_NO_JPEG_REGION)
-#error "DDPKIT_HAS_JPEG_REGION is set but the JPEG region decode is not available (no <dlfcn.h>?)"
+#error \
+    "DDPKIT_HAS_JPEG_REGION is set but the JPEG region decode is not available (no <dlfcn.h>?)"
 #endif
 #ifdef DDPKIT_HAS_PNG
 #include <png.h>
@@ -383,8 +385,8 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data,
   cinfo.out_color_space = JCS_RGB;
 #ifdef DDPKIT_HAS_TURBOJPEG
   // The factor the full decode (TurboJPEG) really uses; see there.
-  const tjscalingfactor f = tj_effective_scale(
-      cinfo.image_width, cinfo.image_height, opts.scale_num);
+  const tjscalingfactor f =
+      tj_effective_scale(cinfo.image_width, cinfo.image_height, opts.scale_num);
   cinfo.scale_num = static_cast<unsigned>(f.num);
   cinfo.scale_denom = static_cast<unsigned>(f.denom);
 #else

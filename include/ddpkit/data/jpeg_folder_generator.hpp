@@ -22,8 +22,13 @@ namespace ddpkit::data {
 struct JpegFolderOptions {
   /// Class folder names (at most 10: class k draws synthetic class k). The
   /// default is flower_photos' five.
-  TORCH_ARG(std::vector<std::string>, classes) = {"daisy", "dandelion", "roses",
-                                                  "sunflowers", "tulips"};
+  TORCH_ARG(std::vector<std::string>, classes) = {
+    "daisy",
+    "dandelion",
+    "roses",
+    "sunflowers",
+    "tulips"
+  };
   TORCH_ARG(std::size_t, images_per_class) = 20;
   /// The shorter side; the longer one is 1–1.5× it, drawn per image.
   TORCH_ARG(int64_t, short_side) = 96;

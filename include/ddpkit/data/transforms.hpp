@@ -697,8 +697,8 @@ using Interval = std::array<double, 2>;
 /// `RandomHorizontalFlip()`, ImageNet mean/std).
 struct ImageNetTrainOptions {
   TORCH_ARG(int64_t, size) = 224;
-  TORCH_ARG(Interval, scale) = {0.08, 1.0};
-  TORCH_ARG(Interval, ratio) = {3.0 / 4.0, 4.0 / 3.0};
+  TORCH_ARG(Interval, scale) = { 0.08, 1.0 };
+  TORCH_ARG(Interval, ratio) = { 3.0 / 4.0, 4.0 / 3.0 };
   TORCH_ARG(double, flip) = 0.5;
   TORCH_ARG(Rgb, mean) = kImageNetMean;
   TORCH_ARG(Rgb, std) = kImageNetStd;
@@ -762,7 +762,6 @@ struct ImageNetTrain {
   }
 };
 
-
 /// torchvision's `Resize(size * 256 / 224)` + `CenterCrop(size)` +
 /// normalise: the evaluation transform of the flowers/ImageNet recipe, as
 /// one fused resample of the centre window (JPEGs decoded at a 1/2, 1/4 or
@@ -824,11 +823,11 @@ struct ImageNetEval {
 };
 
 inline torch::Tensor ImageNetTrain::operator()(const ImageBatch& images,
-                                              torch::Generator& gen) const {
+                                               torch::Generator& gen) const {
   const auto& o = options;
   if (!o.augment()) {
     return ImageNetEval{o.size(), o.mean(), o.std(), o.fast_decode()}(images,
-                                                                     gen);
+                                                                      gen);
   }
   const auto n = static_cast<int64_t>(images.size());
   const int64_t S = o.size();
@@ -844,8 +843,8 @@ inline torch::Tensor ImageNetTrain::operator()(const ImageBatch& images,
     float* dst = po + k * 3 * S * S;
     detail::HwcImage pre;
     const auto size = detail::item_size(it, buf, pre);
-    const auto box = random_resized_crop_box(
-        size.height, size.width, o.scale(), o.ratio(), pu + k * 40);
+    const auto box = random_resized_crop_box(size.height, size.width, o.scale(),
+                                             o.ratio(), pu + k * 40);
     if (it.decoded() && it.image.scalar_type() != torch::kUInt8) {
       auto crop = it.image.narrow(1, box.top, box.height)
                       .narrow(2, box.left, box.width);

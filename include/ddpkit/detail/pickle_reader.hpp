@@ -104,9 +104,9 @@ struct Obj {
   std::int64_t i = 0;
   double d = 0;
   std::string s;
-  std::vector<Ptr> items;                     // tuple, list
-  std::vector<std::pair<Ptr, Ptr>> entries;   // dict, in insertion order
-  torch::Tensor t;                            // storage (1-D) or tensor
+  std::vector<Ptr> items;                    // tuple, list
+  std::vector<std::pair<Ptr, Ptr>> entries;  // dict, in insertion order
+  torch::Tensor t;                           // storage (1-D) or tensor
 };
 
 inline Ptr make(Obj::Kind k) {
@@ -135,8 +135,8 @@ inline c10::ScalarType storage_dtype(std::string_view name, bool& ok) {
 }
 
 /// Loads a storage's bytes: `record(key)` returns the record data/<key>.
-using RecordFn = std::function<std::pair<at::DataPtr, std::size_t>(
-    const std::string&)>;
+using RecordFn =
+    std::function<std::pair<at::DataPtr, std::size_t>(const std::string&)>;
 
 class Unpickler {
  public:
@@ -267,10 +267,10 @@ class Unpickler {
           if (top()->kind != Obj::dict) fail("BUILD on something not a dict");
           break;
         }
-        case 'Q': push(load_storage(expect(pop(), Obj::tuple, "BINPERSID")));
+        case 'Q':
+          push(load_storage(expect(pop(), Obj::tuple, "BINPERSID")));
           break;
-        default:
-          fail(cat("an opcode ddpkit does not read (", int(op), ")"));
+        default: fail(cat("an opcode ddpkit does not read (", int(op), ")"));
       }
     }
   }
@@ -392,9 +392,8 @@ class Unpickler {
       for (std::size_t k = 0; k < sz.size(); ++k) {
         if (sz[k] == 0) numel = 0;
         std::int64_t span = 0;
-        if (sz[k] > 0 &&
-            (__builtin_mul_overflow(sz[k] - 1, sd[k], &span) ||
-             __builtin_add_overflow(last, span, &last)))
+        if (sz[k] > 0 && (__builtin_mul_overflow(sz[k] - 1, sd[k], &span) ||
+                          __builtin_add_overflow(last, span, &last)))
           fail("a tensor that overflows its storage");
       }
       if (offset < 0 || (numel > 0 && last >= st->t.numel()))
@@ -481,15 +480,16 @@ inline c10::IValue to_ivalue(const Ptr& o, const std::string& what,
     case Obj::real: return c10::IValue(o->d);
     case Obj::string: return c10::IValue(o->s);
     case Obj::bytes: {
-      auto t = torch::empty({static_cast<std::int64_t>(o->s.size())},
-                            torch::kUInt8);
+      auto t =
+          torch::empty({static_cast<std::int64_t>(o->s.size())}, torch::kUInt8);
       if (!o->s.empty()) std::memcpy(t.data_ptr(), o->s.data(), o->s.size());
       return c10::IValue(t);
     }
     case Obj::tensor: return c10::IValue(o->t);
     case Obj::tuple: {
       std::vector<c10::IValue> items;
-      for (const auto& v : o->items) items.push_back(to_ivalue(v, what, depth + 1));
+      for (const auto& v : o->items)
+        items.push_back(to_ivalue(v, what, depth + 1));
       return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
     }
     case Obj::list: {
@@ -523,7 +523,8 @@ inline c10::IValue read_torch_save(std::string_view bytes,
         std::make_shared<MemoryReadAdapter>(bytes));
     if (reader.hasRecord("byteorder")) {
       auto [order, n] = reader.getRecord("byteorder");
-      if (std::string_view(static_cast<const char*>(order.get()), n) != "little")
+      if (std::string_view(static_cast<const char*>(order.get()), n) !=
+          "little")
         throw UsageError(cat(what, ": written on a big-endian machine"));
     }
     if (!reader.hasRecord("data.pkl")) {
@@ -536,7 +537,8 @@ inline c10::IValue read_torch_save(std::string_view bytes,
         [&](const std::string& key) -> std::pair<at::DataPtr, std::size_t> {
           const std::string name = "data/" + key;
           if (!reader.hasRecord(name)) {
-            throw UsageError(cat(what, ": storage record ", name, " is missing"));
+            throw UsageError(
+                cat(what, ": storage record ", name, " is missing"));
           }
           auto [ptr, n] = reader.getRecord(name);
           return {std::move(ptr), n};

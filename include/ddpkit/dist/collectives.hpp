@@ -101,8 +101,8 @@ inline torch::Tensor& all_reduce(const Group& g, torch::Tensor& t,
 /// All-reduce of one arithmetic value (computed in double, or int64 for
 /// integers, so counts stay exact).
 template <class T>
-requires std::is_arithmetic_v<T> T all_reduce_value(const Group& g, T value,
-                                                    Reduce op = Reduce::sum) {
+  requires std::is_arithmetic_v<T>
+T all_reduce_value(const Group& g, T value, Reduce op = Reduce::sum) {
   if (g.size() == 1) return value;
   auto dtype = std::is_integral_v<T> ? torch::kInt64 : torch::kFloat64;
   torch::Tensor t =
@@ -143,8 +143,8 @@ inline std::vector<torch::Tensor> all_gather(const Group& g,
 
 /// All-gather of one arithmetic value per rank, in rank order.
 template <class T>
-requires std::is_arithmetic_v<T> std::vector<T> all_gather_value(const Group& g,
-                                                                 T value) {
+  requires std::is_arithmetic_v<T>
+std::vector<T> all_gather_value(const Group& g, T value) {
   torch::Tensor t =
       torch::tensor({static_cast<double>(value)}, torch::kFloat64);
   if constexpr (std::is_integral_v<T>) {
@@ -209,9 +209,8 @@ inline torch::Tensor& broadcast_when_ready(const Group& g, torch::Tensor& t,
 
 /// Broadcast of a trivially copyable value (a number or a small struct).
 template <class T>
-requires std::is_trivially_copyable_v<T> T broadcast_value(const Group& g,
-                                                           const T& value,
-                                                           int src = 0) {
+  requires std::is_trivially_copyable_v<T>
+T broadcast_value(const Group& g, const T& value, int src = 0) {
   if (g.size() == 1) return value;
   torch::Tensor t =
       torch::empty({static_cast<int64_t>(sizeof(T))}, torch::kUInt8);

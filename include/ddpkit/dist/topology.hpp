@@ -101,7 +101,7 @@ inline int sweep_stale_shm(const char* dir = "/dev/shm", long min_age_s = 60) {
     const long pid = std::strtol(rest.c_str(), nullptr, 10);
     if (pid <= 0) continue;
     const std::string path = std::string(dir) + "/" + name;
-    struct stat st {};
+    struct stat st{};
     if (::stat(path.c_str(), &st) != 0) continue;
     if (std::time(nullptr) - st.st_mtime < min_age_s) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;

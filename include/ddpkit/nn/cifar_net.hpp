@@ -29,18 +29,17 @@ struct CifarNetOptions {
 /// conv-BN-ReLU-pool blocks and a two-layer head, with BatchNorm so SyncBN
 /// has something to convert):
 ///
-/// | name            | layer                                  | output (32×32
-/// in) |
+/// | name            | layer                                  | output (32×32 in) |
 /// |-----------------|----------------------------------------|-------------------|
-/// | features.0/1/2  | Conv2d(3, w, 3, pad 1), BN, ReLU        | w×32×32 | |
-/// features.3      | MaxPool2d(2)                           | w×16×16 | |
-/// features.4/5/6  | Conv2d(w, 2w, 3, pad 1), BN, ReLU       | 2w×16×16 | |
-/// features.7      | MaxPool2d(2)                           | 2w×8×8 | |
-/// features.8/9/10 | Conv2d(2w, 4w, 3, pad 1), BN, ReLU      | 4w×8×8 | |
-/// features.11     | MaxPool2d(2)                           | 4w×4×4 | |
-/// classifier.0/1  | Dropout, Linear(16·4w, 256)            | 256 | |
-/// classifier.2/3  | ReLU, Dropout                          | 256 | |
-/// classifier.4    | Linear(256, num_classes)               | num_classes |
+/// | features.0/1/2  | Conv2d(3, w, 3, pad 1), BN, ReLU       | w×32×32           |
+/// | features.3      | MaxPool2d(2)                           | w×16×16           |
+/// | features.4/5/6  | Conv2d(w, 2w, 3, pad 1), BN, ReLU      | 2w×16×16          |
+/// | features.7      | MaxPool2d(2)                           | 2w×8×8            |
+/// | features.8/9/10 | Conv2d(2w, 4w, 3, pad 1), BN, ReLU     | 4w×8×8            |
+/// | features.11     | MaxPool2d(2)                           | 4w×4×4            |
+/// | classifier.0/1  | Dropout, Linear(16·4w, 256)            | 256               |
+/// | classifier.2/3  | ReLU, Dropout                          | 256               |
+/// | classifier.4    | Linear(256, num_classes)               | num_classes       |
 ///
 /// With w = 32 that is 620,586 parameters for 10 classes and about 11 M
 /// multiply-adds per image. Inputs must be 32×32.

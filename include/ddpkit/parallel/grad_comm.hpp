@@ -132,11 +132,11 @@ class CommFuture {
 /// when present: `void prepare(const dist::Group&)` (collective set-up, by
 /// the reducer's constructor at the same point on every rank).
 template <class H>
-concept comm_hook = std::movable<H> &&
-    requires(H& h, const dist::Group& g, GradBucket& b) {
-  { H::name } -> std::convertible_to<std::string_view>;
-  { h.run(g, b) } -> std::same_as<CommFuture>;
-};
+concept comm_hook =
+    std::movable<H> && requires(H& h, const dist::Group& g, GradBucket& b) {
+      { H::name } -> std::convertible_to<std::string_view>;
+      { h.run(g, b) } -> std::same_as<CommFuture>;
+    };
 
 /// Settings of the built-in hooks (DDPOptions::comm); a hook constructible
 /// from it gets it from the DDP engine.

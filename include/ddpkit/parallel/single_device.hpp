@@ -8,8 +8,8 @@
 
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/dist/process_group.hpp"
-#include "ddpkit/parallel/module_utils.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
+#include "ddpkit/parallel/module_utils.hpp"
 
 namespace ddpkit::parallel {
 

@@ -128,14 +128,13 @@ struct FitEnd {
 };
 
 template <class C, class Event>
-concept handles_event = requires(C& c, const Event& e) {
-  c.on(e);
-};
+concept handles_event = requires(C& c, const Event& e) { c.on(e); };
 
 /// A class that handles at least one event. One that handles none (a
 /// misspelt `on`, or hooks under other names) is refused.
 template <class C>
-concept handles_some_event = std::is_class_v<C> &&
+concept handles_some_event =
+    std::is_class_v<C> &&
     (handles_event<C, FitBegin> || handles_event<C, EpochBegin> ||
      handles_event<C, BatchEnd> || handles_event<C, StepEnd> ||
      handles_event<C, EpochEnd> || handles_event<C, FitEnd>);
@@ -152,20 +151,18 @@ concept callbacks = (callback<Cs> && ...);
 /// A callback whose state goes into checkpoints: `name` (unique among the
 /// callbacks of a fit), `state()` and `load_state(v)`.
 template <class C>
-concept stateful_callback = callback<C> &&
-    requires(C& c, const C& cc, const c10::IValue& v) {
-  { C::name } -> std::convertible_to<std::string_view>;
-  { cc.state() } -> std::convertible_to<c10::IValue>;
-  c.load_state(v);
-};
+concept stateful_callback =
+    callback<C> && requires(C& c, const C& cc, const c10::IValue& v) {
+      { C::name } -> std::convertible_to<std::string_view>;
+      { cc.state() } -> std::convertible_to<c10::IValue>;
+      c.load_state(v);
+    };
 
 /// Declaring `state()` without the rest of `stateful_callback` is an
 /// error, not a callback whose state is silently dropped.
 template <class C>
-concept state_complete = !requires(const C& c) {
-  c.state();
-}
-|| stateful_callback<C>;
+concept state_complete =
+    !requires(const C& c) { c.state(); } || stateful_callback<C>;
 
 /// Hands `event` to every callback that handles it, in order.
 template <class Event, class... Cs>

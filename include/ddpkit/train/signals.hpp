@@ -26,7 +26,7 @@ class SignalFlag {
   explicit SignalFlag(bool arm) : armed_(arm) {
     if (!armed_) return;
     detail::pending_signal = 0;
-    struct sigaction sa {};
+    struct sigaction sa{};
     sa.sa_handler = &detail::record_signal;
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART | SA_RESETHAND;
@@ -52,8 +52,8 @@ class SignalFlag {
 
  private:
   bool armed_;
-  struct sigaction old_term_ {};
-  struct sigaction old_int_ {};
+  struct sigaction old_term_{};
+  struct sigaction old_int_{};
 };
 
 }  // namespace ddpkit::train

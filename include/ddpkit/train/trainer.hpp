@@ -207,12 +207,12 @@ inline torch::Device default_device(const dist::Group& g) {
 /// lacks part of the contract fails `parallel_engine`, naming the piece.
 template <class Model, class Parallel, class Sampler, class BN,
           class LRScaling = NoScaling, class Reduction = RankZeroEval>
-requires trainable_model<Model> && parallel_policy<Parallel> &&
-    parallel_engine<Parallel, Model, dist::Group> && sampler_policy<Sampler> &&
-    bn_policy<BN> && lr_scaling_policy<LRScaling> &&
-    reduction_policy<Reduction> &&
-    sampler_matches_parallel_policy<Parallel, Sampler> &&
-    bn_matches_parallel_policy<Parallel, BN>
+  requires trainable_model<Model> && parallel_policy<Parallel> &&
+           parallel_engine<Parallel, Model, dist::Group> &&
+           sampler_policy<Sampler> && bn_policy<BN> &&
+           lr_scaling_policy<LRScaling> && reduction_policy<Reduction> &&
+           sampler_matches_parallel_policy<Parallel, Sampler> &&
+           bn_matches_parallel_policy<Parallel, BN>
 class Trainer : private CheckpointWriter {
  public:
   using model_type = Model;
@@ -288,11 +288,11 @@ class Trainer : private CheckpointWriter {
   /// (`TrainerOptions::checkpoint_on_signal`).
   template <class Dataset, class TrainTransform, class EvalTransform,
             class... Callbacks>
-  requires callbacks<Callbacks...> &&
-      (state_complete<std::remove_cvref_t<Callbacks>>&&...)FitResult
-      fit(const Dataset& train, const Dataset& val,
-          TrainTransform train_transform, EvalTransform eval_transform,
-          data::LoaderOptions lo, Callbacks&&... callbacks) {
+    requires callbacks<Callbacks...> &&
+             (state_complete<std::remove_cvref_t<Callbacks>> && ...)
+  FitResult fit(const Dataset& train, const Dataset& val,
+                TrainTransform train_transform, EvalTransform eval_transform,
+                data::LoaderOptions lo, Callbacks&&... callbacks) {
     const auto fit_start = std::chrono::steady_clock::now();
     lo.seed(options_.seed()).rank(rank());
     // Early stopping first, then the user's callbacks, then the rest of
@@ -482,9 +482,8 @@ class Trainer : private CheckpointWriter {
 
  private:
   using clock = std::chrono::steady_clock;
-  static constexpr bool can_join = requires(engine_type & e) {
-    e.join_round(true);
-  };
+  static constexpr bool can_join =
+      requires(engine_type& e) { e.join_round(true); };
 
   /// A stateful callback as the checkpoint sees it.
   struct CallbackState {
