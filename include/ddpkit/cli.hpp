@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The command line shared by ddpkit's examples and by programs modelled on
 // them (CLI11, with an optional --config FILE holding the same keys). Bad
 // values are a message and exit code 2. Include it explicitly: it needs

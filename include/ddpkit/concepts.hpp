@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The policy concepts, and nothing else. Each concept is built from
 // one-requirement pieces so a failed check names the missing piece; each
 // policy opts in with a tag so nothing matches by accident.

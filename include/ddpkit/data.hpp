@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Everything about data: samplers, datasets (CIFAR-10 binary, the synthetic
 // set, ImageFolder with JPEG/PNG decode), batched transforms and the
 // prefetching loader.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // ddpkit: train libtorch models on one device, on several devices of one
 // process (DataParallel), or across processes and machines (DDP), with the
 // mode chosen by a type. This header is the whole public API.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The distributed runtime: environment, rendezvous, process groups,
 // collectives, self-spawn and the launch entry point.
 #pragma once

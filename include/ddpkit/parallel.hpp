@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The parallel engine: SingleDevice, DataParallel and DDP policies, the DDP
 // gradient reducer and its communication strategies, SyncBatchNorm.
 #pragma once

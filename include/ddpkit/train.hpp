@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Training: the Trainer, LR scaling and schedules, evaluation strategies,
 // checkpoints, metrics files and progress.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // CIFAR-10 binary reader (`cifar-10-batches-bin`) and `ImageTensors`, the
 // in-memory form every small dataset in ddpkit takes: uint8 images N×3×H×W
 // and int64 labels, split reproducibly into train/validation by a seed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // ImageFolder: one subfolder per class (the flower_photos layout), classes
 // sorted by name, a seeded per-class train/validation split and
 // class_indices.json, as the flowers recipe's `read_split_data` does.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Image decode and encode for ImageFolder: JPEG through libjpeg-turbo's
 // TurboJPEG API (with DCT-domain downscaling), PNG through libpng. Images are
 // uint8 3×H×W RGB tensors.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Writes a small synthetic ImageFolder of JPEGs (flower_photos layout) with
 // learnable classes, so tests, demos and benchmarks of the JPEG pipeline
 // never download anything.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The prefetching loader: worker threads fetch, decode and augment batches
 // ahead of the training loop into a bounded window, handed out in order.
 // Every batch's randomness is seeded from (seed, epoch, rank, batch index),

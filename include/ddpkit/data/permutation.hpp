@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Seeded permutations shared by the samplers and the dataset splits (kept
 // apart from samplers.hpp so the readers need no sampler machinery; C++17
 // clean, as the fuzz targets compile it as C++17: see tests/fuzz).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Index samplers: sequential, seeded random, and distributed (PyTorch's
 // DistributedSampler semantics, plus an evaluation mode that counts every
 // sample once). They satisfy libtorch's sampler interface, so they plug into

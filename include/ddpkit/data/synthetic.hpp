@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // A procedurally drawn, learnable stand-in for CIFAR-10: ten classes of
 // shapes and textures on noisy backgrounds, 32×32 RGB, deterministic from a
 // seed. Tests, examples and benchmarks use it so nothing is ever downloaded.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Batched, vectorised image transforms on uint8 batches (N×3×H×W): the
 // CIFAR recipe (random crop + flip + colour jitter + normalise) and the
 // ImageNet recipe (random resized crop + flip + normalise; resize + centre

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Checks a checkpoint archive before libtorch reads it.
 //
 // `torch::serialize::InputArchive::load_from` (torch::jit::load) trusts

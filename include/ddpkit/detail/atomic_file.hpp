@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Files that are either the old version or the complete new one: written to
 // `path.tmp`, fsynced, renamed over `path`, and the folder fsynced. Every
 // file ddpkit writes for the user (checkpoints, metrics, summary, weights)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // ddpkit's exception types. `UsageError` marks bad input from a user (a
 // variable, a file, a flag): front ends turn it into exit code 2.
 #pragma once

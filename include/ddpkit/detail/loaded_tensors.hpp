@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Checks on tensors read from files. libtorch 1.13's unpickler builds each
 // tensor from the sizes, strides and storage offset the file states without
 // checking them against the storage it read: a damaged checkpoint yields a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Reads files in torch.save's zip format with ddpkit's own unpickler, which
 // understands what Python's `torch.load(weights_only=True)` understands and
 // nothing more: dicts (plain and `collections.OrderedDict`, whose

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Collectives for training code: all-reduce (sum/mean/max/min) of tensors and
 // values, all-gather, broadcast of tensors, values, strings and small
 // structs, barrier. The reference recipe's `reduce_value`, typed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The one place that knows which libtorch it is built against. Every c10d
 // difference between libtorch 1.13 (Debian's) and 2.x (PyTorch wheels) is
 // resolved here; the rest of ddpkit uses only the names below.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The autograd, autocast, serialization and warning half of ddpkit's
 // libtorch-version knowledge (`dist/compat.hpp` has the c10d half and
 // includes this file). Every API difference between libtorch 1.13 (Debian's)

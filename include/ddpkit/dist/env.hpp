@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Where am I: rank, local rank, world size and master address, read from the
 // environment of torchrun, SLURM or Open MPI, or given explicitly. Malformed
 // or inconsistent values are a `UsageError` naming the variable.

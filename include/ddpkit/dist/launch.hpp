@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // One entry point for every launch style: self-spawn (`--world-size N`),
 // torchrun / srun / mpirun (environment), or a single process. After the
 // rendezvous every style runs the same code with the same `Group`.

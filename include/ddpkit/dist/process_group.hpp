@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Rendezvous (c10d TCPStore hosted by rank 0, or FileStore) and the process
 // group over it (gloo for CPU tensors, NCCL for CUDA tensors where built).
 // `Group` is a cheap handle; a world of one needs no store and no backend.

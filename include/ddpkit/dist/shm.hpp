@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // All-reduce through shared memory between ranks on one host.
 //
 // gloo moves CPU tensors over TCP even when every rank is on the same

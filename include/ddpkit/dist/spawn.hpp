@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Self-spawn: the same binary re-executes itself as N ranks on loopback,
 // watches them, and on the first failure stops the rest and reports which
 // rank died and how. Ranks die with the launcher (PR_SET_PDEATHSIG).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Which ranks share a host, decided by what shared memory needs: the same
 // /dev/shm (a marker file one rank makes and the others look for), the same
 // boot and the same PID namespace (a rank's pid is watched to notice its

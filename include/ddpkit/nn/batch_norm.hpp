@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // ddpkit's BatchNorm2d: state-dict compatible with torch::nn::BatchNorm2d,
 // and able to synchronise its training statistics across ranks once a
 // process group is attached (SyncBatchNorm). On the CPU (gloo), where

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // CifarNet: the compact CIFAR-10 classifier of the CIFAR recipe (seed 000's
 // `models/classifier.py`, `build_model(cfg)` with `model.num_classes: 10`).
 // Small enough to train for a few epochs on a CPU.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The model zoo and model I/O: ResNet-18/34/50 equal to torchvision's, the
 // compact CIFAR classifier, and Python-compatible state dict files.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // ResNet-18/34/50 with torchvision's exact structure, parameter names and
 // initialisation, so state dicts line up key for key with
 // `torchvision.models.resnet*` (see state_dict.hpp for the file format).

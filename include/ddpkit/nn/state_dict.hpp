@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // State dicts that Python reads and writes: a module's parameters and
 // buffers saved as a pickled `dict[str, Tensor]` (what `torch.load` returns
 // for `torch.save(dict(model.state_dict()), f)`), and loaded back by name.

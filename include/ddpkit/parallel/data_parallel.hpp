@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // DataParallel: one process, N replicas over a device list. Each step the
 // batch is split, every replica runs forward and backward on its part in
 // its own thread, gradients are summed into the master, and the replicas

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // DDP: one process per device. At construction the model's structure is
 // checked across ranks and rank 0's parameters and buffers are broadcast;
 // during backward the reducer averages gradients bucket by bucket.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Communication hooks for the DDP reducer: how one bucket of gradients is
 // averaged across ranks (PyTorch's `register_comm_hook`). A hook is a
 // policy type with state: the reducer owns one instance, hands it every

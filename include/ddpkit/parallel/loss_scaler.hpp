@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Dynamic loss scaling for mixed-precision training (PyTorch's GradScaler):
 // the loss is multiplied by a scale before backward; afterwards every
 // gradient is divided by it and checked for inf/NaN in one fused pass on the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Small helpers over libtorch modules used by every parallel policy:
 // consistent flat views of parameters/buffers, and coalesced broadcast.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // ddpkit's DDP gradient reducer (c10d's reducer.hpp is not usable with
 // Debian's libtorch). Parameters are grouped into flat buckets in reverse
 // order (backward produces the last layers' gradients first), and each

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // SingleDevice: the model on one device, no communication. It is also the
 // reference parallel policy: copy it to write your own.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Per-step timings written as a Chrome trace (chrome://tracing, Perfetto):
 // forward, backward, each bucket's all-reduce and the wait after backward.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Callbacks: what happens at the training loop's boundaries. `Trainer::fit`
 // is a short loop that hands events (FitBegin, EpochBegin, BatchEnd,
 // StepEnd, EpochEnd, FitEnd) to a compile-time pack of callbacks:

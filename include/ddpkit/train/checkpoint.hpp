@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Checkpoints: one dict of named values in torch.save's zip format, written
 // atomically (temporary file, flush, fsync, rename), so a crash mid-write
 // never leaves a broken `last` or `best`, and loaded with errors that name

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Gradient clipping as the Trainer applies it: after the gradients are
 // averaged across ranks (so every rank clips the same numbers the same
 // way) and, with mixed precision, after they are unscaled; before the

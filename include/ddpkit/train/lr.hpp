@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Learning-rate policies: scaling with the world size (none, linear as in
 // the flowers recipe, square root), optional linear warm-up, and per-epoch
 // schedules (step, cosine to a floor, none).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Per-epoch metrics, their files (metrics.jsonl, metrics.csv, summary.json,
 // rewritten whole and atomically so a resumed run never duplicates rows),
 // and rank 0's progress display.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Evaluation strategies: who evaluates the validation set and how the
 // numbers reach every rank. Both give the same loss and accuracy; every
 // sample is counted exactly once.

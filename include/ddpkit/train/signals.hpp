@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Stopping on SIGTERM / SIGINT at a step boundary: the signal only raises a
 // flag; the training loop sees it, the ranks agree on the step, rank 0
 // writes a checkpoint, and `Interrupted` ends the run.

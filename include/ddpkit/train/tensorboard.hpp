@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // TensorBoard event files, written without TensorFlow: TFRecord framing
 // (length, masked CRC-32C of the length, data, masked CRC-32C of the data)
 // around `Event` protocol buffers holding scalar and text summaries.

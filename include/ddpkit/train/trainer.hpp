@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Trainer<Model, ParallelPolicy, SamplerPolicy, BNPolicy, LRScaling,
 // Reduction>: the training loop of both reference recipes, composed at
 // compile time. `fit` is a short loop over events; what happens at them
