@@ -8,7 +8,8 @@
 #     libtorch ddpkit builds against by default, and the Python the
 #     interoperability and torchrun tests run; with TensorBoard (PyPI
 #     `tensorboard`, DDPKIT_TENSORBOARD_VERSION, default 2.21.0), whose
-#     reader the TensorBoard tests use.
+#     reader the TensorBoard tests use, and clang-format
+#     (DDPKIT_CLANG_FORMAT_VERSION, default 21.1.8) for the format check.
 # Does nothing, and needs no network, when everything is already there.
 #
 #   DDPKIT_VENV=DIR        the environment's folder (default .venv)
@@ -45,6 +46,10 @@ venv=${DDPKIT_VENV:-.venv}
 torch_v=${DDPKIT_TORCH_VERSION:-2.11.0}
 vision_v=${DDPKIT_TORCHVISION_VERSION:-0.26.0}
 tb_v=${DDPKIT_TENSORBOARD_VERSION:-2.21.0}
+# clang-format that understands C++20 (concepts, requires clauses); Debian
+# bookworm's is 14. scripts/check-format.sh uses this one.
+clang_format_v=${DDPKIT_CLANG_FORMAT_VERSION:-21.1.8}
+small_pins=("tensorboard==$tb_v" "clang-format==$clang_format_v")
 # Already there: torch and torchvision of these versions are installed.
 if [[ -x "$venv/bin/python3" ]] &&
    "$venv/bin/python3" - "$torch_v" "$vision_v" 2>/dev/null <<'PY'
@@ -55,17 +60,26 @@ ok = (version("torch").split("+")[0] == sys.argv[1]
 sys.exit(0 if ok else 1)
 PY
 then
-  # TensorBoard (about 15 MB with its dependencies), added to an environment
-  # made before the tests needed it.
-  if ! "$venv/bin/python3" - "$tb_v" 2>/dev/null <<'PY'
+  # Tools added to an environment made before the tests needed them:
+  # TensorBoard (about 15 MB with its dependencies) and clang-format.
+  missing_pins=$("$venv/bin/python3" - "${small_pins[@]}" 2>/dev/null <<'PY'
 import sys
-from importlib.metadata import version
-sys.exit(0 if version("tensorboard") == sys.argv[1] else 1)
+from importlib.metadata import PackageNotFoundError, version
+for pin in sys.argv[1:]:
+    name, want = pin.split("==")
+    try:
+        ok = version(name) == want
+    except PackageNotFoundError:
+        ok = False
+    if not ok:
+        print(pin)
 PY
-  then
-    echo "ddpkit: installing tensorboard==$tb_v from PyPI into $venv" >&2
+)
+  if [[ -n $missing_pins ]]; then
+    echo "ddpkit: installing $(echo $missing_pins) from PyPI into $venv" >&2
+    # shellcheck disable=SC2086
     "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check \
-      --no-cache-dir "tensorboard==$tb_v"
+      --no-cache-dir $missing_pins
   fi
   exit 0
 fi
@@ -85,5 +99,5 @@ echo "ddpkit: installing torch==$torch_v and torchvision==$vision_v from PyPI in
 [[ -x "$venv/bin/python3" ]] || python3 -m venv "$venv"
 # --no-cache-dir: pip's HTTP cache would keep a second copy of every wheel.
 "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check \
-  --no-cache-dir "torch==$torch_v" "torchvision==$vision_v" "tensorboard==$tb_v"
+  --no-cache-dir "torch==$torch_v" "torchvision==$vision_v" "${small_pins[@]}"
 "$venv/bin/python3" -c "import torch; print('ddpkit: PyTorch', torch.__version__, 'in $venv')" >&2

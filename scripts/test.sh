@@ -22,8 +22,9 @@
 # Not run here, for want of a GPU: the "cuda" doctest suite (compiled into
 # ddpkit_tests; scripts/gpu-check.sh runs it on a GPU machine).
 #
-#   0. the layering of include/ddpkit/ (scripts/check-layers.py), before
-#      anything is built
+#   0. before anything is built: the layering of include/ddpkit/
+#      (scripts/check-layers.py) and every C++ file against .clang-format
+#      (scripts/check-format.sh, PyPI's clang-format 21 in .venv)
 #
 # It ends with a summary naming every stage and what it did not run. This
 # is the README's test command and exactly what CI runs.
@@ -92,9 +93,10 @@ if [[ "${1:-}" == "--sanitize" ]]; then
   exit 0
 fi
 
-stamp "stage 0: layering of the headers"
+stamp "stage 0: layering of the headers and their format"
 python3 scripts/check-layers.py
-note "stage 0 (layers: scripts/check-layers.py): passed"
+scripts/check-format.sh
+note "stage 0 (layers: scripts/check-layers.py; format: scripts/check-format.sh, clang-format $(.venv/bin/clang-format --version | sed -n 's/.*version \([0-9.]*\).*/\1/p')): passed"
 
 stamp "stage 1: torch 2.11 (CUDA build, run without a GPU), release build and the CTest suite"
 build=${DDPKIT_BUILD_DIR:-build-test}
