@@ -32,4 +32,4 @@ if ((${#bad[@]} > 0)); then
   echo "fix: scripts/check-format.sh --fix  (or $cf -i FILE)" >&2
   exit 1
 fi
-echo "check-format: ${#files[@]} files match .clang-format"
+echo "check-format: ${#files[@]} files match .clang-format ($("$cf" --version))"

@@ -96,7 +96,7 @@ fi
 stamp "stage 0: layering of the headers and their format"
 python3 scripts/check-layers.py
 scripts/check-format.sh
-note "stage 0 (layers: scripts/check-layers.py; format: scripts/check-format.sh, clang-format $(.venv/bin/clang-format --version | sed -n 's/.*version \([0-9.]*\).*/\1/p')): passed"
+note "stage 0 (layers: scripts/check-layers.py; format: scripts/check-format.sh): passed"
 
 stamp "stage 1: torch 2.11 (CUDA build, run without a GPU), release build and the CTest suite"
 build=${DDPKIT_BUILD_DIR:-build-test}
@@ -142,8 +142,8 @@ if [[ "${DDPKIT_TORCH113:-1}" != 0 ]]; then
   # concepts as stage 1), benchmarks, sanitizers and fuzzers.
   # Two multi-host tests run here: multihost.collectives-across-hosts
   # (it needs ddpkit_tests, which stage 1 does not build) and DDP on 2 x 2
-  # ranks equal to one process; stage 1 runs all of them on 2.11 (the
-  # other eight repeat the same scripts: about 100 s, stop 24 measured).
+  # ranks equal to one process; stage 1 runs the other seven on 2.11 (the
+  # same scripts: about 100 s here at stop 24).
   run_ctest "stage 4 (torch 1.13, CTest: six suites, examples, torchrun, two multi-host tests; compile-fail, cmake import, benchmarks, sanitizers, fuzzers are 2.11 only)" \
     --test-dir build-test-113 --output-on-failure -j "$jobs" --timeout 900 \
     -R '^(dist|samplers|parallel|nn|data|train|example\..*|multihost\.collectives-across-hosts|multihost\.flowers-2x2-equals-single)$'
