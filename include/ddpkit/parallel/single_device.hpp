@@ -11,15 +11,9 @@
 #include "ddpkit/dist/process_group.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/parallel/step_output.hpp"
 
 namespace ddpkit::parallel {
-
-/// What one training step returns: the batch's mean loss and the model's
-/// outputs, both detached.
-struct StepOutput {
-  torch::Tensor loss;
-  torch::Tensor output;
-};
 
 /// Options every parallel policy understands; a policy may extend them.
 struct SingleDeviceOptions {};
