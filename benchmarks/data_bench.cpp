@@ -14,8 +14,10 @@
 #include <string>
 
 #include <ddpkit/ddpkit.hpp>
+#include <ddpkit/image.hpp>
 
 namespace dd = ddpkit::data;
+namespace ddt = ddpkit::testing;
 
 namespace {
 
@@ -38,8 +40,8 @@ const std::filesystem::path& jpeg_dir() {
         env ? env
             : std::filesystem::temp_directory_path() / "ddpkit-bench-jpeg";
     if (!std::filesystem::exists(d / "daisy")) {
-      dd::make_jpeg_folder(
-          d, dd::JpegFolderOptions().images_per_class(40).short_side(375));
+      ddt::make_jpeg_folder(
+          d, ddt::JpegFolderOptions().images_per_class(40).short_side(375));
     }
     return d;
   }();
@@ -49,7 +51,7 @@ const std::filesystem::path& jpeg_dir() {
 void BM_CifarTrainAugment(benchmark::State& state) {
   torch::set_num_threads(1);
   const auto batch = state.range(0);
-  auto set = dd::make_synthetic(dd::SyntheticOptions(batch).seed(1));
+  auto set = ddt::make_synthetic(ddt::SyntheticOptions(batch).seed(1));
   dd::CifarTrain aug;
   std::uint64_t seed = 0;
   for (auto _ : state) {

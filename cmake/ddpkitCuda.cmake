@@ -12,16 +12,21 @@ option(DDPKIT_NCCL "With a CUDA libtorch: compile ddpkit's NCCL process groups" 
 
 # Every libtorch file must come from one installation: TorchConfig searches
 # the system folders before its own, so a second libtorch there (Debian's)
-# can slip in. Refuse a mixed build rather than crash at run time.
+# can slip in. ddpkitDependencies.cmake searches the found TorchConfig's
+# prefix first; what still comes from elsewhere was given or cached (an
+# earlier configure). Refuse a mixed build rather than crash at run time.
 get_filename_component(_ddpkit_torch_root "${Torch_DIR}/../../.." ABSOLUTE)
-foreach(_ddpkit_file IN ITEMS "${Caffe2_DIR}" "${TORCH_LIBRARY}" "${c10_LIBRARY}")
+foreach(_ddpkit_var IN ITEMS Caffe2_DIR TORCH_LIBRARY c10_LIBRARY C10_CUDA_LIBRARY)
+  set(_ddpkit_file "${${_ddpkit_var}}")
   if(_ddpkit_file)
     get_filename_component(_ddpkit_file_abs "${_ddpkit_file}" ABSOLUTE)
     cmake_path(IS_PREFIX _ddpkit_torch_root "${_ddpkit_file_abs}" _ddpkit_inside)
     if(NOT _ddpkit_inside AND NOT _ddpkit_torch_root STREQUAL "/usr")
       message(FATAL_ERROR
-        "ddpkit: libtorch's CMake files are in ${_ddpkit_torch_root}, but ${_ddpkit_file} "
-        "comes from elsewhere (another libtorch on the system?). Configure with "
+        "ddpkit: libtorch's CMake files are in ${_ddpkit_torch_root}, but ${_ddpkit_var} is "
+        "${_ddpkit_file}, from elsewhere (another libtorch on the system, given on the "
+        "command line or cached by an earlier configure). Configure again with "
+        "-U${_ddpkit_var} (or in a fresh build folder); if it persists, with "
         "-DCMAKE_PREFIX_PATH=${_ddpkit_torch_root} so its own files are found first.")
     endif()
   endif()

@@ -4,9 +4,51 @@
 include_guard(GLOBAL)
 include(CMakeFindDependencyMacro)
 
+# _ddpkit_torch_prefix(<out>): the install prefix of the TorchConfig.cmake
+# that find_package(Torch) is about to load, without loading it: the same
+# search, for the TorchConfigVersion.cmake next to it (a file that only sets
+# PACKAGE_VERSION*). The folder is cached as Torch_DIR, so find_package(Torch)
+# then loads that one. Empty when none is found or the layout is unknown.
+function(_ddpkit_torch_prefix out)
+  find_package(Torch QUIET CONFIGS TorchConfigVersion.cmake)
+  set(prefix "")
+  if(Torch_DIR)
+    get_filename_component(dir "${Torch_DIR}" ABSOLUTE)
+    # <prefix>/share/cmake/Torch (wheel, LibTorch zip), <prefix>/lib[64]/cmake/Torch,
+    # <prefix>/lib/<arch>/cmake/Torch (Debian).
+    if(dir MATCHES "^(.*)/(share|lib[^/]*|lib/[^/]+)/cmake/Torch$")
+      set(prefix "${CMAKE_MATCH_1}")
+    endif()
+  endif()
+  set(${out} "${prefix}" PARENT_SCOPE)
+endfunction()
+
 # libtorch: Debian's libtorch-dev (CPU) or any CUDA libtorch (e.g. the one in a
 # PyTorch wheel: -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')).
+#
+# TorchConfig.cmake finds its own libraries with
+#   find_library(c10_LIBRARY c10 PATHS "${TORCH_INSTALL_PREFIX}/lib")
+# (and TORCH_LIBRARY, C10_CUDA_LIBRARY, kineto alike). PATHS come after the
+# CMAKE_PREFIX_PATH and system folders; PyTorch's documented prefix is the
+# wheel's torch/share/cmake, whose lib/ does not exist, so with Debian's
+# libtorch-dev installed it took /usr/lib/<arch>/libc10.so and libtorch.so
+# beside the wheel's own targets. That TorchConfig's prefix goes first in
+# CMAKE_PREFIX_PATH while find_package(Torch) runs, and only then (a
+# <PackageName>_ROOT would do the same, but needs policy CMP0074, which a
+# consumer's cmake_minimum_required may leave unset).
+_ddpkit_torch_prefix(_ddpkit_torch_prefix)
+if(DEFINED CMAKE_PREFIX_PATH)
+  set(_ddpkit_saved_prefix_path "${CMAKE_PREFIX_PATH}")
+endif()
+if(_ddpkit_torch_prefix)
+  list(PREPEND CMAKE_PREFIX_PATH "${_ddpkit_torch_prefix}")
+endif()
 find_dependency(Torch)
+if(DEFINED _ddpkit_saved_prefix_path)
+  set(CMAKE_PREFIX_PATH "${_ddpkit_saved_prefix_path}")
+else()
+  unset(CMAKE_PREFIX_PATH)
+endif()
 find_dependency(range-v3)
 include("${CMAKE_CURRENT_LIST_DIR}/ddpkitCuda.cmake")
 find_package(PkgConfig QUIET)

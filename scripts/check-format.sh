@@ -14,7 +14,7 @@ if [[ ! -x $cf ]]; then
   exit 1
 fi
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  mapfile -t files < <(git ls-files '*.hpp' '*.cpp' '*.h')
+  mapfile -t files < <(git ls-files --cached --others --exclude-standard '*.hpp' '*.cpp' '*.h')
 else
   mapfile -t files < <(find include tests examples benchmarks \( -name '*.hpp' -o -name '*.cpp' -o -name '*.h' \) | sort)
 fi

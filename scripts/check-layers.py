@@ -4,14 +4,18 @@
 The layers, lowest first (docs/DESIGN.md, "Module map", states the same
 order; change both together):
 
-  0  detail/, version.hpp         error types, files, pickle reading: no ddpkit
+  0  detail/, version.hpp         error types, files, pickle reading, the
+                                  libtorch-version shims: no ddpkit
   1  concepts.hpp                 the policy concepts
-  2  dist/, dist.hpp              environment, rendezvous, groups, collectives
+  2  distributed/, distributed.hpp
+                                  environment, rendezvous, groups, collectives
   3  data/, data.hpp | nn/        datasets and loaders | modules (two folders
                                   of one layer: neither includes the other)
-  4  parallel/, parallel.hpp      SingleDevice, DataParallel, DDP engines
+  4  parallel/, parallel.hpp |    SingleDevice, DataParallel, DDP engines and
+     testing/, testing.hpp        the engine contract | data tests make
   5  train/, train.hpp            the Trainer and its parts
-  6  cli.hpp, ddpkit.hpp          what programs include
+  6  cli.hpp, policies.hpp,       what programs include
+     image.hpp, ddpkit.hpp
 
 A header may include its own folder and any lower layer, never a higher one
 nor the other folder of its own layer.
@@ -25,12 +29,13 @@ import sys
 LAYERS = [
     (0, "detail", ["detail/", "version.hpp"]),
     (1, "concepts", ["concepts.hpp"]),
-    (2, "dist", ["dist/", "dist.hpp"]),
+    (2, "distributed", ["distributed/", "distributed.hpp"]),
     (3, "data", ["data/", "data.hpp"]),
     (3, "nn", ["nn/"]),
     (4, "parallel", ["parallel/", "parallel.hpp"]),
+    (4, "testing", ["testing/", "testing.hpp"]),
     (5, "train", ["train/", "train.hpp"]),
-    (6, "top", ["cli.hpp", "ddpkit.hpp"]),
+    (6, "top", ["cli.hpp", "policies.hpp", "image.hpp", "ddpkit.hpp"]),
 ]
 
 

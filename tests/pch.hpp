@@ -1,4 +1,4 @@
 // Precompiled for every test translation unit: libtorch is the heavy part.
 #pragma once
-#include "ddpkit/dist/compat.hpp"
+#include "ddpkit/detail/compat.hpp"
 #include "doctest_torch.hpp"

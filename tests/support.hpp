@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "ddpkit/dist.hpp"
+#include "ddpkit/distributed.hpp"
 
 namespace ddpkit::test {
 

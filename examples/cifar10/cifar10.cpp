@@ -93,10 +93,10 @@ int main(int argc, char** argv) {
         // Data: the real CIFAR-10 when --data is given, else the built-in set.
         ddpkit::data::ImageTensors train_all, test;
         if (args.data.empty()) {
-          train_all = ddpkit::data::make_synthetic(
-              ddpkit::data::SyntheticOptions(synthetic_size).seed(1));
-          test = ddpkit::data::make_synthetic(
-              ddpkit::data::SyntheticOptions(kSyntheticTest).seed(2));
+          train_all = ddpkit::testing::make_synthetic(
+              ddpkit::testing::SyntheticOptions(synthetic_size).seed(1));
+          test = ddpkit::testing::make_synthetic(
+              ddpkit::testing::SyntheticOptions(kSyntheticTest).seed(2));
         } else {
           auto c = ddpkit::data::load_cifar10(args.data);
           train_all = c.train;

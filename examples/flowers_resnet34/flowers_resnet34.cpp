@@ -10,6 +10,7 @@
 //   --freeze-layers
 #include <ddpkit/cli.hpp>
 #include <ddpkit/ddpkit.hpp>
+#include <ddpkit/image.hpp>
 
 #include <cstdio>
 #include <filesystem>
@@ -94,8 +95,8 @@ int main(int argc, char** argv) {
           // No download: rank 0 draws a small flower_photos-like JPEG folder.
           root = out / "synthetic_flower_photos";
           if (group.is_main() && !fs::exists(root / "daisy")) {
-            ddpkit::data::make_jpeg_folder(
-                root, ddpkit::data::JpegFolderOptions()
+            ddpkit::testing::make_jpeg_folder(
+                root, ddpkit::testing::JpegFolderOptions()
                           .images_per_class(synthetic_per_class)
                           .seed(args.seed));
           }

@@ -34,6 +34,8 @@ struct CommonArgs {
   int threads = 1;                    ///< intra-op threads per rank
   int workers = 2;                    ///< loader threads
   bool quiet = false;
+  std::int64_t progress_every_n_steps = 0;  ///< plain progress lines (no tty)
+  double progress_every_seconds = 30;       ///< plain progress lines (no tty)
   bool amp = false;                   ///< --amp: mixed precision (CUDA only)
   int accumulate = 1;                 ///< batches per optimizer step
   double clip_grad_norm = 0;          ///< clip by global L2 norm (0: off)
@@ -88,7 +90,7 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.add_option("--workers", args.workers, "data loader threads")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_flag("--quiet", args.quiet, "no per-epoch output");
+  app.add_flag("--quiet", args.quiet, "no progress or per-epoch output");
   app.add_option("--accumulate", args.accumulate,
                  "gradient accumulation: batches per optimizer step (DDP "
                  "communicates once per step)")
@@ -137,6 +139,16 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                  "TensorBoard: log the batch loss every N batches (0: never)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--progress-every-n-steps", args.progress_every_n_steps,
+                 "when stdout is not a terminal, print a progress line every "
+                 "N batches (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--progress-every-seconds", args.progress_every_seconds,
+                 "when stdout is not a terminal, print a progress line at "
+                 "least every S seconds (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_flag("--amp,!--no-amp", args.amp,
                "mixed precision: float16 autocast and dynamic loss scaling "
                "(CUDA only)");
@@ -155,6 +167,9 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .max_steps(args.max_steps)
       .seed(args.seed)
       .verbose(!args.quiet)
+      .progress(train::ProgressOptions()
+                    .every_n_steps(args.progress_every_n_steps)
+                    .every_seconds(args.progress_every_seconds))
       .mixed_precision(args.amp)
       .accumulate(args.accumulate)
       .clip(train::ClipOptions()

@@ -85,79 +85,8 @@ concept multi_process_policy = parallel_policy<P> && P::is_multi_process;
 template <class P>
 inline constexpr bool is_parallel_policy_v = parallel_policy<P>;
 
-// What a policy's engine must offer the Trainer. `Group` is
-// ddpkit::dist::Group (a parameter here so this header needs no dist code).
-
-template <class P, class M>
-concept has_engine_for = requires {
-  typename P::template engine<M>;
-  typename P::options_type;
-};
-
-template <class E, class M, class Group, class Options>
-concept engine_constructible_from =
-    std::constructible_from<E, M, Group, Options, torch::Device>;
-
-template <class E>
-concept engine_exposes_module = requires(E e) {
-  e.module();
-  { e.device() } -> std::convertible_to<torch::Device>;
-};
-
-template <class E>
-concept engine_runs_forward = requires(E e, const torch::Tensor& x) {
-  { e.forward(x) } -> std::convertible_to<torch::Tensor>;
-};
-
-template <class E>
-concept engine_runs_steps = requires(
-    E e, const torch::Tensor& x,
-    torch::Tensor (*loss)(const torch::Tensor&, const torch::Tensor&)) {
-  { e.forward_backward(x, x, loss).loss } -> std::convertible_to<torch::Tensor>;
-  {
-    e.forward_backward(x, x, loss).output
-  } -> std::convertible_to<torch::Tensor>;
-};
-
-template <class E>
-concept engine_zeroes_gradients = requires(E e) { e.zero_grad(); };
-
-template <class E>
-concept engine_accumulates_without_sync = requires(E e) { e.no_sync(); };
-
-template <class E>
-concept engine_reports_wait = requires(E e) {
-  { e.last_wait_seconds() } -> std::convertible_to<double>;
-};
-
-}  // namespace ddpkit
-namespace ddpkit::parallel {
-class LossScaler;
-}  // namespace ddpkit::parallel
-namespace ddpkit {
-
-template <class E>
-concept engine_unscales_gradients = requires(E e, parallel::LossScaler& s) {
-  { e.unscale_and_check(s) } -> std::convertible_to<bool>;
-};
-
-/// The contract of `P::engine<M>`: built from (model, group, options,
-/// device); forward, forward_backward returning {loss, output}, zero_grad
-/// (the only way the Trainer zeroes gradients), no_sync, AMP's
-/// unscale_and_check(LossScaler&) (the only way the Trainer unscales), and
-/// the seconds the last step waited for communication.
-template <class P, class M, class Group>
-concept parallel_engine =
-    has_engine_for<P, M> &&
-    engine_constructible_from<typename P::template engine<M>, M, Group,
-                              typename P::options_type> &&
-    engine_exposes_module<typename P::template engine<M>> &&
-    engine_runs_forward<typename P::template engine<M>> &&
-    engine_runs_steps<typename P::template engine<M>> &&
-    engine_zeroes_gradients<typename P::template engine<M>> &&
-    engine_accumulates_without_sync<typename P::template engine<M>> &&
-    engine_unscales_gradients<typename P::template engine<M>> &&
-    engine_reports_wait<typename P::template engine<M>>;
+// What a policy's engine must offer (`parallel_engine`) is in
+// ddpkit/parallel/engine.hpp, beside the engines.
 
 // ---- batch-norm policies ----------------------------------------------------
 

@@ -1,6 +1,8 @@
 // Uses a little of every layer through the umbrella header.
 #include <ddpkit/ddpkit.hpp>
 
+#include <torch/version.h>
+
 #include <cstdio>
 
 int main() {
@@ -10,8 +12,10 @@ int main() {
   ddpkit::dist::all_reduce(group, t);
   ddpkit::DistributedSampling sampler(10, {.rank = 0, .world_size = 2});
   auto model = ddpkit::nn::resnet18(10);
-  std::printf("ddpkit consumer: rank %d, shard %zu, %lld parameters\n",
-              env.rank, sampler.size(),
-              static_cast<long long>(ddpkit::nn::count_parameters(*model)));
+  // run.cmake checks the libtorch a find_package(ddpkit) consumer got.
+  std::printf(
+      "ddpkit consumer: libtorch %s, rank %d, shard %zu, %lld parameters\n",
+      TORCH_VERSION, env.rank, sampler.size(),
+      static_cast<long long>(ddpkit::nn::count_parameters(*model)));
   return sampler.size() == 5 ? 0 : 1;
 }

@@ -1,19 +1,88 @@
-# ctest -P script: install the build tree into a fresh prefix, configure and
-# build tests/cmake_import against it, run the consumer; then build one
-# example on its own against the same prefix.
+# ctest -P script: install the build tree into a fresh prefix, then configure,
+# build and run tests/cmake_import against it twice: (a) with the PyTorch
+# wheel through its documented prefix (torch.utils.cmake_prefix_path of
+# PYTHON's torch), which must give the wheel's libtorch even where Debian's
+# libtorch-dev is installed too; (b) with nothing but ddpkit's prefix (the
+# libtorch the system has). Then build one example on its own against the
+# same prefix.
 set(prefix ${BUILD_DIR}/cmake_import/prefix)
 set(work ${BUILD_DIR}/cmake_import/build)
-file(REMOVE_RECURSE ${prefix} ${work})
+set(wheel_work ${BUILD_DIR}/cmake_import/build-wheel)
+file(REMOVE_RECURSE ${prefix} ${work} ${wheel_work})
 execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix}
                 RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "install failed")
 endif()
 # The consumers build with the main build's release flags (scripts/test.sh
-# uses -O1 to keep CI short).
-execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${work} -G Ninja
-                        -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
-                        "-DCMAKE_CXX_FLAGS_RELEASE=${CXX_FLAGS_RELEASE}"
+# uses -O1 to keep CI short) and its compiler launcher (ccache).
+set(consumer_args -G Ninja -DCMAKE_BUILD_TYPE=Release
+                  "-DCMAKE_CXX_FLAGS_RELEASE=${CXX_FLAGS_RELEASE}")
+if(CXX_LAUNCHER)
+  list(APPEND consumer_args "-DCMAKE_CXX_COMPILER_LAUNCHER=${CXX_LAUNCHER}")
+endif()
+
+# (a) The wheel, as PyTorch documents it.
+set(wheel_prefix "")
+if(PYTHON AND EXISTS "${PYTHON}")
+  execute_process(COMMAND ${PYTHON} -c
+                          "import torch; print(torch.utils.cmake_prefix_path); print(torch.__version__.split('+')[0])"
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_QUIET
+                  OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT rc)
+    string(REPLACE "\n" ";" out "${out}")
+    list(GET out 0 wheel_prefix)
+    list(GET out 1 wheel_version)
+  endif()
+endif()
+if(wheel_prefix)
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${wheel_work} ${consumer_args}
+                          "-DCMAKE_PREFIX_PATH=${wheel_prefix};${prefix}"
+                  RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "configuring the consumer with -DCMAKE_PREFIX_PATH=${wheel_prefix};${prefix} failed")
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} --build ${wheel_work} RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "building the consumer against the wheel failed")
+  endif()
+  execute_process(COMMAND ${wheel_work}/consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+  message(STATUS "wheel consumer: ${out}")
+  if(rc)
+    message(FATAL_ERROR "the consumer built against the wheel failed")
+  endif()
+  # Its headers are the wheel's ...
+  if(NOT out MATCHES "libtorch ${wheel_version},")
+    message(FATAL_ERROR "the consumer built with the wheel's prefix reports '${out}', "
+                        "not the wheel's libtorch ${wheel_version}")
+  endif()
+  # ... and so is every libtorch library it loads: libtorch.so and
+  # libc10.so from the wheel's torch/lib, none from another installation.
+  get_filename_component(wheel_lib "${wheel_prefix}/../../lib" ABSOLUTE)
+  find_program(LDD ldd)
+  if(LDD)
+    execute_process(COMMAND ${LDD} ${wheel_work}/consumer OUTPUT_VARIABLE ldd RESULT_VARIABLE rc)
+    string(REGEX MATCHALL "lib(torch|c10)[^ \t\n]* => [^ \t\n]+" loaded "${ldd}")
+    foreach(lib IN ITEMS libtorch.so libc10.so)
+      string(FIND "${loaded}" "${lib} => ${wheel_lib}/${lib}" at)
+      if(at EQUAL -1)
+        message(FATAL_ERROR "the wheel consumer does not load ${wheel_lib}/${lib}:\n${ldd}")
+      endif()
+    endforeach()
+    foreach(entry IN LISTS loaded)
+      string(FIND "${entry}" " => ${wheel_lib}/" at)
+      if(at EQUAL -1)
+        message(FATAL_ERROR "the wheel consumer loads ${entry}, not the wheel's:\n${ldd}")
+      endif()
+    endforeach()
+  endif()
+else()
+  message(STATUS "cmake_import: no torch in '${PYTHON}': the wheel's prefix is not tested")
+endif()
+
+# (b) ddpkit's prefix alone.
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${work} ${consumer_args}
+                        -DCMAKE_PREFIX_PATH=${prefix}
                 RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configuring the consumer failed")
@@ -22,7 +91,8 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build ${work} RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "building the consumer failed")
 endif()
-execute_process(COMMAND ${work}/consumer RESULT_VARIABLE rc)
+execute_process(COMMAND ${work}/consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+message(STATUS "consumer: ${out}")
 if(rc)
   message(FATAL_ERROR "the consumer failed")
 endif()
@@ -30,9 +100,8 @@ endif()
 # An example builds on its own against the installed package too.
 set(ex_work ${BUILD_DIR}/cmake_import/example)
 file(REMOVE_RECURSE ${ex_work})
-execute_process(COMMAND ${CMAKE_COMMAND} -S ${EXAMPLE_DIR} -B ${ex_work} -G Ninja
-                        -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
-                        "-DCMAKE_CXX_FLAGS_RELEASE=${CXX_FLAGS_RELEASE}"
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${EXAMPLE_DIR} -B ${ex_work} ${consumer_args}
+                        -DCMAKE_PREFIX_PATH=${prefix}
                         -DDDPKIT_MODE=single
                         # one translation unit: a precompiled header would
                         # only add its own build (CI time)

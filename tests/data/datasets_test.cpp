@@ -10,9 +10,12 @@
 #include <png.h>
 
 #include "ddpkit/data.hpp"
+#include "ddpkit/image.hpp"
+#include "ddpkit/testing.hpp"
 
 namespace fs = std::filesystem;
 using namespace ddpkit::data;
+using namespace ddpkit::testing;
 
 namespace {
 

@@ -8,8 +8,11 @@
 #include <vector>
 
 #include "ddpkit/data.hpp"
+#include "ddpkit/image.hpp"
+#include "ddpkit/testing.hpp"
 
 using namespace ddpkit::data;
+using namespace ddpkit::testing;
 
 TEST_SUITE("data") {
   TEST_CASE("random_crop_flip matches a per-image crop and flip") {

@@ -29,9 +29,10 @@
 
 #include "ddpkit/data/cifar10.hpp"
 #include "ddpkit/data/image_io.hpp"
+#include "ddpkit/data/image_transforms.hpp"
 #include "ddpkit/data/transforms.hpp"
-#include "ddpkit/dist/compat_core.hpp"
-#include "ddpkit/dist/env.hpp"
+#include "ddpkit/detail/compat.hpp"
+#include "ddpkit/distributed/env.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "targets.hpp"

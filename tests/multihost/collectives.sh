@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # collectives.sh OUT TESTS_BINARY
-# The test suite's `collectives_across_hosts` worker (tests/dist/dist_test.cpp:
+# The test suite's `collectives_across_hosts` worker (tests/distributed/dist_test.cpp:
 # sums and means of every channel type, small and larger than a slot, in a
 # shared buffer, empty, bf16; results checked and bit-identical on every
 # rank) on test hosts (tests/multihost/netns.sh), in three layouts:

@@ -8,6 +8,7 @@
 
 #include "ddpkit/data.hpp"
 #include "ddpkit/nn/models.hpp"
+#include "ddpkit/testing.hpp"
 
 using namespace ddpkit;
 
@@ -68,8 +69,9 @@ TEST_SUITE("nn") {
 
   TEST_CASE("CifarNet learns the synthetic set within a few epochs") {
     torch::manual_seed(0);
-    auto train = data::make_synthetic(data::SyntheticOptions(1500).seed(1));
-    auto test = data::make_synthetic(data::SyntheticOptions(500).seed(2));
+    auto train =
+        testing::make_synthetic(testing::SyntheticOptions(1500).seed(1));
+    auto test = testing::make_synthetic(testing::SyntheticOptions(500).seed(2));
     nn::CifarNet net;
     torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(2e-3));
     data::Loader loader(train, data::CifarTrain{},

@@ -1,6 +1,6 @@
 // Mixed precision: the fused unscale-and-check (LossScaler) and autocast.
 #include "../support.hpp"
-#include "ddpkit/dist/compat_core.hpp"
+#include "ddpkit/detail/compat.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 
 using namespace ddpkit;

@@ -5,6 +5,7 @@
 #include <termios.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +16,8 @@
 #include <iterator>
 #include <regex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "../support.hpp"
 #include "ddpkit/train/callbacks.hpp"
@@ -220,5 +223,84 @@ TEST_SUITE("train") {
       display.on(train::FitEnd{s});
     });
     CHECK(off.empty());
+  }
+
+  TEST_CASE(
+      "progress lines where stdout is not a terminal: every N batches and "
+      "every S seconds, with step, loss, throughput and time left") {
+    train::FitState s;
+    s.world = 2;
+    s.epochs = 3;
+    s.epoch = 0;
+    s.steps = 6;
+    // Every 2 batches (time off): lines at steps 2, 4, 6 and nothing else.
+    const std::string by_steps = printed_to_file([&] {
+      train::ProgressDisplay display(
+          true, train::ProgressOptions().every_n_steps(2).every_seconds(0));
+      display.on(train::EpochBegin{s});
+      s.epoch_start = clock_type::now() - std::chrono::seconds(4);
+      for (std::size_t k = 1; k <= 6; ++k) {
+        s.step = k;
+        s.count = 100.0 * static_cast<double>(k);
+        s.loss_sum = 0.5 * s.count;
+        display.on(train::BatchEnd{s, 0.0});
+      }
+    });
+    CAPTURE(by_steps);
+    const std::regex line(
+        "epoch 1/3 step (\\d)/6 loss 0\\.5000 (\\d+) img/s ETA (\\d+)s\n");
+    std::vector<std::smatch> lines;
+    for (std::sregex_iterator it(by_steps.begin(), by_steps.end(), line), e;
+         it != e; ++it) {
+      lines.push_back(*it);
+    }
+    REQUIRE(lines.size() == 3);
+    std::string joined;
+    for (const auto& m : lines) joined += m.str();
+    CHECK(joined == by_steps);  // nothing but those lines
+    for (std::size_t i = 0; i < 3; ++i) {
+      CHECK(std::stoul(lines[i][1]) == 2 * (i + 1));
+      // 2 ranks × 100 images per step over the 4 s since the epoch began.
+      const double shown = std::stod(lines[i][2]);
+      const double images = 2.0 * 100.0 * static_cast<double>(2 * (i + 1));
+      CHECK(shown <= std::ceil(images / 4.0));
+      CHECK(shown >= std::floor(images / 5.0));
+    }
+    CHECK(lines[2][3] == "0");  // the last batch: no time left
+
+    // Every 0.2 s (steps off): a batch right after the epoch begins prints
+    // nothing, one 0.25 s later prints a line, one right after it nothing.
+    const std::string by_time = printed_to_file([&] {
+      train::ProgressDisplay display(
+          true, train::ProgressOptions().every_n_steps(0).every_seconds(0.2));
+      display.on(train::EpochBegin{s});
+      s.epoch_start = clock_type::now();
+      s.step = 1;
+      display.on(train::BatchEnd{s, 0.0});
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      s.step = 2;
+      display.on(train::BatchEnd{s, 0.0});
+      s.step = 3;
+      display.on(train::BatchEnd{s, 0.0});
+    });
+    CAPTURE(by_time);
+    CHECK(by_time.rfind("epoch 1/3 step 2/6 loss ", 0) == 0);
+    CHECK(std::count(by_time.begin(), by_time.end(), '\n') == 1);
+
+    // Both off, or --quiet (disabled): nothing.
+    for (bool enabled : {true, false}) {
+      const std::string none = printed_to_file([&] {
+        train::ProgressDisplay display(enabled,
+                                       train::ProgressOptions()
+                                           .every_n_steps(enabled ? 0 : 1)
+                                           .every_seconds(0));
+        display.on(train::EpochBegin{s});
+        for (std::size_t k = 1; k <= 6; ++k) {
+          s.step = k;
+          display.on(train::BatchEnd{s, 0.0});
+        }
+      });
+      CHECK(none.empty());
+    }
   }
 }

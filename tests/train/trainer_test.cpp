@@ -48,8 +48,8 @@ struct Data {
 };
 
 Data make_data(std::size_t n_train = 96, std::size_t n_val = 30) {
-  return {data::make_synthetic(data::SyntheticOptions(n_train).seed(1)),
-          data::make_synthetic(data::SyntheticOptions(n_val).seed(2))};
+  return {testing::make_synthetic(testing::SyntheticOptions(n_train).seed(1)),
+          testing::make_synthetic(testing::SyntheticOptions(n_val).seed(2))};
 }
 
 train::OptimizerFactory adam(double lr = 1e-2) {

@@ -20,6 +20,7 @@
 #include "ddpkit/data/image_io.hpp"
 #include "ddpkit/data/samplers.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/json.hpp"
 
 namespace ddpkit::data {
 
@@ -149,21 +150,11 @@ struct ImageFolder {
 
 /// `{"0": "daisy", ...}` with json.dumps(indent=4)'s layout.
 inline std::string class_indices_json(const std::vector<std::string>& classes) {
-  std::string out = "{\n";
+  ddpkit::detail::JsonObject j;
   for (std::size_t i = 0; i < classes.size(); ++i) {
-    out += "    \"" + std::to_string(i) + "\": \"";
-    for (char ch : classes[i]) {
-      if (ch == '"' || ch == '\\') out += '\\';
-      if (static_cast<unsigned char>(ch) < 0x20) {
-        out += ddpkit::detail::cat("\\u00", "0123456789abcdef"[(ch >> 4) & 0xF],
-                                   "0123456789abcdef"[ch & 0xF]);
-        continue;
-      }
-      out += ch;
-    }
-    out += i + 1 < classes.size() ? "\",\n" : "\"\n";
+    j.add(std::to_string(i), classes[i]);
   }
-  return out + "}";
+  return j.indented(4);
 }
 
 /// Scans `root` (one subfolder per class, sorted by name), splits each class

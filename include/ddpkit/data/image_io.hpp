@@ -58,24 +58,16 @@
 #endif
 
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/files.hpp"
+#include "ddpkit/detail/scope_guard.hpp"
 
 namespace ddpkit::data {
 
 /// The bytes of `file`; a UsageError naming it when it cannot be read.
 inline std::vector<unsigned char> read_file_bytes(
     const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary | std::ios::ate);
-  if (!in)
-    throw UsageError(ddpkit::detail::cat("cannot open image ", file.string()));
-  const auto size = static_cast<std::streamoff>(in.tellg());
-  if (size < 0)
-    throw UsageError(ddpkit::detail::cat("cannot read image ", file.string()));
-  std::vector<unsigned char> bytes(static_cast<std::size_t>(size));
-  in.seekg(0);
-  if (!in.read(reinterpret_cast<char*>(bytes.data()), size)) {
-    throw UsageError(ddpkit::detail::cat("cannot read image ", file.string()));
-  }
-  return bytes;
+  return ddpkit::detail::read_whole_file<std::vector<unsigned char>>(file,
+                                                                     "image");
 }
 
 /// The most pixels an image may have (PIL's `DecompressionBombError`
@@ -166,14 +158,9 @@ inline void reset_thread_decompressor() {
   t.h = tjInitDecompress();
 }
 /// Resets the thread's decompressor when the scope is left by an exception.
-struct ResetDecompressorOnThrow {
-  int pending = std::uncaught_exceptions();
-  ResetDecompressorOnThrow() = default;
-  ResetDecompressorOnThrow(const ResetDecompressorOnThrow&) = delete;
-  ResetDecompressorOnThrow& operator=(const ResetDecompressorOnThrow&) = delete;
-  ~ResetDecompressorOnThrow() {
-    if (std::uncaught_exceptions() > pending) reset_thread_decompressor();
-  }
+struct ResetDecompressorOnThrow : ddpkit::detail::ScopeFail<void (*)()> {
+  ResetDecompressorOnThrow()
+      : ddpkit::detail::ScopeFail<void (*)()>(&reset_thread_decompressor) {}
 };
 #endif
 

@@ -26,6 +26,7 @@
 
 #include "ddpkit/data/transforms.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/seed.hpp"
 
 namespace ddpkit::data {
 
@@ -60,13 +61,7 @@ struct LoaderOptions {
 /// neighbouring inputs give unrelated streams.
 inline std::uint64_t batch_seed(std::uint64_t seed, std::uint64_t epoch,
                                 std::uint64_t rank, std::uint64_t batch) {
-  auto mix = [](std::uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
-  return mix(mix(mix(mix(seed) ^ epoch) ^ rank) ^ batch);
+  return ddpkit::detail::mix_seed({seed, epoch, rank, batch});
 }
 
 /// Moves a batch to `device`; asynchronous from pinned memory on CUDA.
@@ -95,7 +90,8 @@ class LoaderEpoch;
 /// Example:
 /// ```
 /// using namespace ddpkit::data;
-/// auto set = make_synthetic(SyntheticOptions(5000).seed(1));
+/// auto set = ddpkit::testing::make_synthetic(
+///     ddpkit::testing::SyntheticOptions(5000).seed(1));
 /// Loader loader(set, CifarTrain{}, LoaderOptions(128).workers(2).seed(7));
 /// RandomSampling sampler(set.size(), {.seed = 7});
 /// for (size_t epoch = 0; epoch < 3; ++epoch) {

@@ -41,6 +41,7 @@
 
 #include <caffe2/serialize/inline_container.h>
 
+#include "ddpkit/detail/bytes.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/pickle_reader.hpp"
 
@@ -209,10 +210,7 @@ template <class RecordSize>
 std::string pickle_problem(std::string_view p, const RecordSize& record_size) {
   const std::size_t n = p.size();
   auto le = [&](std::size_t at, int bytes) {
-    std::uint64_t v = 0;
-    for (int k = bytes - 1; k >= 0; --k)
-      v = (v << 8) | static_cast<unsigned char>(p[at + k]);
-    return v;
+    return read_le(p.substr(at, static_cast<std::size_t>(bytes)));
   };
   // A value on the unpickler's stack, as far as this check follows it.
   struct Value {
@@ -506,10 +504,8 @@ inline std::vector<ZipEntry> read_zip_entries(std::string_view bytes,
     return true;
   };
   auto le = [](const std::string& b, std::size_t at, int bytes) {
-    std::uint64_t v = 0;
-    for (int k = bytes - 1; k >= 0; --k)
-      v = (v << 8) | static_cast<unsigned char>(b[at + k]);
-    return v;
+    return read_le(
+        std::string_view(b).substr(at, static_cast<std::size_t>(bytes)));
   };
   // The end-of-central-directory record, searched backwards (as miniz does)
   // through the last 64 KiB + 22 bytes.
@@ -676,7 +672,7 @@ inline void check_archive(std::string_view bytes, const std::string& what,
     }
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
-    throw refuse(what.substr(0, what.find('\n')));
+    throw refuse(ddpkit::detail::first_line(what));
   }
 }
 

@@ -3,10 +3,10 @@
 // variable, a file, a flag): front ends turn it into exit code 2.
 #pragma once
 
-#include <sstream>
 #include <stdexcept>
 #include <string>
-#include <utility>
+
+#include "ddpkit/detail/strings.hpp"
 
 namespace ddpkit {
 
@@ -56,14 +56,4 @@ class Interrupted : public Error {
 /// Exit code of a rank that stopped because a peer failed (EX_TEMPFAIL).
 inline constexpr int kPeerFailureExitCode = 75;
 
-namespace detail {
-
-template <class... Args>
-std::string cat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
-  return os.str();
-}
-
-}  // namespace detail
 }  // namespace ddpkit

@@ -31,7 +31,9 @@
 #include <caffe2/serialize/read_adapter_interface.h>
 #include <torch/torch.h>
 
+#include "ddpkit/detail/bytes.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/files.hpp"
 
 namespace ddpkit::detail {
 
@@ -54,28 +56,12 @@ class MemoryReadAdapter : public caffe2::serialize::ReadAdapterInterface {
   std::string_view bytes_;
 };
 
-/// The whole file at `path`; a UsageError naming `what` when it cannot be
-/// read.
-inline std::string read_whole_file(const std::filesystem::path& path,
-                                   const std::string& what) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw UsageError(cat(what, ": cannot open ", path.string()));
-  std::string bytes(static_cast<std::size_t>(in.tellg()), '\0');
-  in.seekg(0);
-  if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) {
-    throw UsageError(cat(what, ": cannot read ", path.string()));
-  }
-  return bytes;
-}
-
 namespace pickle {
 
 /// LONG1's payload (at most 8 bytes): a little-endian two's-complement
 /// integer.
 inline std::int64_t long1_value(std::string_view bytes) {
-  std::uint64_t v = 0;
-  for (std::size_t k = bytes.size(); k-- > 0;)
-    v = (v << 8) | static_cast<unsigned char>(bytes[k]);
+  std::uint64_t v = read_le(bytes);
   if (!bytes.empty() && bytes.size() < 8 &&
       (static_cast<unsigned char>(bytes.back()) & 0x80))
     v |= ~std::uint64_t{0} << (8 * bytes.size());
@@ -178,8 +164,7 @@ class Unpickler {
         }
         case 'G': {  // BINFLOAT: big-endian double
           const auto b = take(8);
-          std::uint64_t v = 0;
-          for (char c : b) v = (v << 8) | static_cast<unsigned char>(c);
+          const std::uint64_t v = read_be(b);
           auto o = make(Obj::real);
           std::memcpy(&o->d, &v, 8);
           push(o);
@@ -295,10 +280,7 @@ class Unpickler {
     return v;
   }
   static std::uint64_t le(std::string_view b) {
-    std::uint64_t v = 0;
-    for (std::size_t k = b.size(); k-- > 0;)
-      v = (v << 8) | static_cast<unsigned char>(b[k]);
-    return v;
+    return read_le(b);
   }
   void push(Ptr o) {
     stack_.push_back(std::move(o));
@@ -549,7 +531,7 @@ inline c10::IValue read_torch_save(std::string_view bytes,
   } catch (const c10::Error& e) {
     const std::string w = e.what_without_backtrace();
     throw UsageError(cat(what, ": cannot be read as a torch.save file (",
-                         w.substr(0, w.find('\n')), ")"));
+                         ddpkit::detail::first_line(w), ")"));
   }
 }
 

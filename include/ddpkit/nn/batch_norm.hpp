@@ -17,7 +17,7 @@
 
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/distributed/collectives.hpp"
 
 namespace ddpkit::nn {
 

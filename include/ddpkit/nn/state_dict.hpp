@@ -17,10 +17,10 @@
 
 #include "ddpkit/detail/archive_check.hpp"
 #include "ddpkit/detail/atomic_file.hpp"
+#include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/loaded_tensors.hpp"
 #include "ddpkit/detail/pickle_reader.hpp"
-#include "ddpkit/dist/compat_core.hpp"
 
 namespace ddpkit::nn {
 
@@ -165,7 +165,7 @@ inline LoadReport load_state_dict(
       throw UsageError(ddpkit::detail::cat(
           "load_state_dict: ", source, ": '", name,
           "' cannot be copied into the model (", src.scalar_type(),
-          "): ", what.substr(0, what.find('\n'))));
+          "): ", ddpkit::detail::first_line(what)));
     }
     report.loaded.push_back(name);
   }
@@ -175,13 +175,11 @@ inline LoadReport load_state_dict(
   }
   if (options.strict() &&
       (!report.missing.empty() || !report.unexpected.empty())) {
-    std::string miss, unex;
-    for (const auto& s : report.missing) miss += (miss.empty() ? "" : ", ") + s;
-    for (const auto& s : report.unexpected)
-      unex += (unex.empty() ? "" : ", ") + s;
+    using ddpkit::detail::join;
     throw UsageError(ddpkit::detail::cat(
         "load_state_dict: ", source, " does not match the model: missing [",
-        miss, "], unexpected [", unex,
+        join(report.missing, ", "), "], unexpected [",
+        join(report.unexpected, ", "),
         "] (use strict(false) to load what matches)"));
   }
   return report;

@@ -19,7 +19,7 @@
 
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/process_group.hpp"
+#include "ddpkit/distributed/process_group.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
 #include "ddpkit/parallel/single_device.hpp"
 
@@ -44,7 +44,7 @@ struct DataParallel {
   using options_type = DataParallelOptions;
 
   template <class Model>
-  class engine {
+  class engine : public OneProcessGradients<engine<Model>> {
     static_assert(
         requires { typename Model::ContainedType; },
         "DataParallel needs a module holder (TORCH_MODULE) whose "
@@ -163,27 +163,9 @@ struct DataParallel {
       return {loss, torch::cat(outs)};
     }
 
-    /// Before each step: gradients to None (the replicas' are cleared when
-    /// they are refreshed).
-    void zero_grad() {
-      clear_grads(as_module(model_));
-    }
-
-    /// DataParallel sums replica gradients every step; accumulation needs no
-    /// special scope.
-    struct NoSync {};
-    [[nodiscard]] NoSync no_sync() {
-      return {};
-    }
-    /// Mixed precision: the master's gradients (the replicas' summed into
-    /// them) divided by the loss scale; false if any is inf/NaN.
-    bool unscale_and_check(LossScaler& scaler) {
-      return scaler.unscale_and_check(as_module(model_).parameters(),
-                                      dist::Group(), false);
-    }
-    double last_wait_seconds() const {
-      return 0;
-    }
+    // zero_grad, no_sync, unscale_and_check and last_wait_seconds come from
+    // OneProcessGradients: the replicas' gradients are summed into the
+    // master's each step (and cleared when the replicas are refreshed).
 
    private:
     void refresh_replicas(std::size_t used) {

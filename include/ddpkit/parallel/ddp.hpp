@@ -13,7 +13,7 @@
 
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
 #include "ddpkit/parallel/grad_comm.hpp"
 #include "ddpkit/parallel/module_utils.hpp"

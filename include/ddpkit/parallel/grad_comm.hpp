@@ -44,7 +44,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/detail/parse.hpp"
+#include "ddpkit/detail/seed.hpp"
+#include "ddpkit/distributed/collectives.hpp"
 
 namespace ddpkit::parallel {
 
@@ -199,7 +201,7 @@ inline bool backend_sums(const dist::Group& g, c10::ScalarType dtype) {
       known = 1;
     } catch (const std::exception& e) {
       why = e.what();
-      why = why.substr(0, why.find('\n'));
+      why = ddpkit::detail::first_line(why);
       // The backend's own words, without the wrapper's "(a peer may have
       // died ...)" guess, which the float32 all-reduce below settles.
       const auto own = why.rfind("): ");
@@ -424,9 +426,9 @@ class PowerSGD {
   // Random m×r, the same on every rank: seeded by the options' seed, the
   // parameter and (without warm start) the step.
   torch::Tensor random_q(const Matrix& mat, int64_t step) const {
-    uint64_t seed = opts_.seed() * 0x9E3779B97F4A7C15ULL +
-                    static_cast<uint64_t>(mat.param) * 1000003ULL;
-    if (!opts_.warm_start()) seed += static_cast<uint64_t>(step) * 7919ULL;
+    const uint64_t seed = ddpkit::detail::mix_seed(
+        {opts_.seed(), static_cast<uint64_t>(mat.param),
+         opts_.warm_start() ? 0 : static_cast<uint64_t>(step)});
     auto gen = at::detail::createCPUGenerator(seed);
     auto q = torch::randn({mat.m, mat.r}, gen, torch::kFloat);
     return q.to(mat.input.options());
@@ -460,13 +462,12 @@ class PowerSGD {
 
 /// Parses "allreduce", "fp16", "bf16" or "powersgd"; UsageError otherwise.
 inline CommKind parse_comm_kind(const std::string& s) {
-  if (s == "allreduce") return CommKind::allreduce;
-  if (s == "fp16") return CommKind::fp16;
-  if (s == "bf16") return CommKind::bf16;
-  if (s == "powersgd") return CommKind::powersgd;
-  throw UsageError(ddpkit::detail::cat(
-      "communication hook '", s,
-      "' is unknown (expected allreduce, fp16, bf16 or powersgd)"));
+  return ddpkit::detail::parse_choice<CommKind>(
+      "communication hook", s,
+      {{"allreduce", CommKind::allreduce},
+       {"fp16", CommKind::fp16},
+       {"bf16", CommKind::bf16},
+       {"powersgd", CommKind::powersgd}});
 }
 
 /// A hook chosen at run time among the built-in ones by

@@ -9,7 +9,7 @@
 
 #include <torch/torch.h>
 
-#include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/distributed/collectives.hpp"
 
 namespace ddpkit::parallel {
 

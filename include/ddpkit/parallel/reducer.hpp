@@ -35,7 +35,8 @@
 #include <torch/torch.h>
 
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/detail/scope_guard.hpp"
+#include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/parallel/grad_comm.hpp"
 #include "ddpkit/parallel/trace.hpp"
 
@@ -783,12 +784,7 @@ class Reducer {
     launched_in_backward_ = launched_now_;
     launched_now_ = 0;
     in_finalize_ = true;
-    struct Leave {
-      bool& flag;
-      ~Leave() {
-        flag = false;
-      }
-    } leave{in_finalize_};
+    ddpkit::detail::ScopeExit leave([this] { in_finalize_ = false; });
     // Parameters that got no gradient this step (those used only in
     // earlier no_sync micro-steps have one: theirs is averaged).
     std::vector<std::size_t> missing;

@@ -8,10 +8,10 @@
 #include <torch/torch.h>
 
 #include "ddpkit/concepts.hpp"
-#include "ddpkit/dist/process_group.hpp"
+#include "ddpkit/distributed/process_group.hpp"
+#include "ddpkit/parallel/engine.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
-#include "ddpkit/parallel/step_output.hpp"
 
 namespace ddpkit::parallel {
 
@@ -34,7 +34,7 @@ struct SingleDevice {
   using options_type = SingleDeviceOptions;
 
   template <class Model>
-  class engine {
+  class engine : public OneProcessGradients<engine<Model>> {
    public:
     engine(Model model, dist::Group, options_type, torch::Device device)
         : model_(std::move(model)), device_(device) {
@@ -59,26 +59,6 @@ struct SingleDevice {
       auto loss = loss_fn(out, y);
       loss.backward();
       return {loss.detach(), out.detach()};
-    }
-
-    /// Before each step: gradients to None.
-    void zero_grad() {
-      clear_grads(as_module(model_));
-    }
-
-    /// Nothing to skip on one device.
-    struct NoSync {};
-    [[nodiscard]] NoSync no_sync() {
-      return {};
-    }
-    /// Mixed precision: divides the gradients by the loss scale; false (skip
-    /// the step) if any is inf/NaN.
-    bool unscale_and_check(LossScaler& scaler) {
-      return scaler.unscale_and_check(as_module(model_).parameters(),
-                                      dist::Group(), false);
-    }
-    double last_wait_seconds() const {
-      return 0;
     }
 
    private:

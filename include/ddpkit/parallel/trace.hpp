@@ -13,6 +13,7 @@
 
 #include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/json.hpp"
 
 namespace ddpkit::parallel {
 
@@ -62,9 +63,14 @@ class Trace {
     out << "{\"traceEvents\":[\n";
     for (std::size_t i = 0; i < events_.size(); ++i) {
       const auto& e = events_[i];
-      out << "{\"name\":\"" << e.name << "\",\"ph\":\"X\",\"ts\":" << e.ts
-          << ",\"dur\":" << e.dur << ",\"pid\":" << rank_
-          << ",\"tid\":" << e.track << "}"
+      out << ddpkit::detail::JsonObject()
+                 .add("name", e.name)
+                 .add("ph", "X")
+                 .add("ts", e.ts)
+                 .add("dur", e.dur)
+                 .add("pid", rank_)
+                 .add("tid", e.track)
+                 .compact()
           << (i + 1 < events_.size() ? ",\n" : "\n");
     }
     out << "],\"displayTimeUnit\":\"ms\"}\n";

@@ -314,11 +314,13 @@ class ModelCheckpoint {
   ModelCheckpointOptions o_;
 };
 
-/// Rank 0's display: a bar redrawn in place on a terminal, a line per
-/// epoch, and why the run stopped.
+/// Rank 0's display: a bar redrawn in place on a terminal (elsewhere a
+/// plain line as ProgressOptions says), a line per epoch, and why the run
+/// stopped.
 class ProgressDisplay {
  public:
-  explicit ProgressDisplay(bool enabled) : progress_(enabled) {}
+  explicit ProgressDisplay(bool enabled, ProgressOptions options = {})
+      : progress_(enabled, options) {}
   void on(const EpochBegin& e) {
     progress_.begin_epoch(e.state.epoch + 1, e.state.epochs, e.state.steps);
   }

@@ -25,10 +25,10 @@
 
 #include "ddpkit/detail/archive_check.hpp"
 #include "ddpkit/detail/atomic_file.hpp"
+#include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/loaded_tensors.hpp"
 #include "ddpkit/detail/pickle_reader.hpp"
-#include "ddpkit/dist/compat_core.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/metrics.hpp"
 
@@ -219,7 +219,7 @@ inline void load_module_checked(torch::nn::Module& module,
       throw UsageError(ddpkit::detail::cat(
           "checkpoint ", file.string(), ": key '", name,
           "' cannot be copied into the model (", t.scalar_type(),
-          "): ", what.substr(0, what.find('\n'))));
+          "): ", ddpkit::detail::first_line(what)));
     }
   };
   for (auto& p : module.named_parameters()) check(p.key(), p.value());

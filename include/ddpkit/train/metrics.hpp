@@ -22,6 +22,7 @@
 
 #include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/json.hpp"
 
 namespace ddpkit::train {
 
@@ -82,31 +83,7 @@ struct EpochMetrics {
 };
 
 namespace detail {
-
-inline std::string num(double v) {
-  if (!std::isfinite(v)) return "null";
-  std::ostringstream os;
-  os << std::setprecision(10) << v;
-  return os.str();
-}
-
-inline std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
+using ddpkit::detail::num;
 }  // namespace detail
 
 /// The metrics files' columns, in order.
@@ -140,11 +117,9 @@ inline std::vector<std::string> metric_values(const EpochMetrics& m) {
 
 inline std::string to_json(const EpochMetrics& m) {
   const auto v = detail::metric_values(m);
-  std::string s = "{";
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    s += (i ? ",\"" : "\"") + std::string(kMetricsColumns[i]) + "\":" + v[i];
-  }
-  return s + "}";
+  ddpkit::detail::JsonObject j;
+  for (std::size_t i = 0; i < v.size(); ++i) j.raw(kMetricsColumns[i], v[i]);
+  return j.compact();
 }
 
 /// Rewrites OUT/metrics.jsonl and OUT/metrics.csv from the whole history.
@@ -165,64 +140,62 @@ inline void write_metrics_files(const std::filesystem::path& out,
   ddpkit::detail::write_atomically(out / "metrics.csv", csv);
 }
 
-/// Key/value pairs of a flat JSON object, written in order.
-class JsonObject {
- public:
-  JsonObject& add(const std::string& k, const std::string& v) {
-    items_.emplace_back(k, "\"" + detail::json_escape(v) + "\"");
-    return *this;
-  }
-  JsonObject& add(const std::string& k, const char* v) {
-    return add(k, std::string(v));
-  }
-  JsonObject& add(const std::string& k, double v) {
-    items_.emplace_back(k, detail::num(v));
-    return *this;
-  }
-  JsonObject& add(const std::string& k, int v) {
-    items_.emplace_back(k, std::to_string(v));
-    return *this;
-  }
-  JsonObject& add(const std::string& k, bool v) {
-    items_.emplace_back(k, v ? "true" : "false");
-    return *this;
-  }
-  std::string str() const {
-    std::string s = "{\n";
-    for (std::size_t i = 0; i < items_.size(); ++i) {
-      s += "  \"" + items_[i].first + "\": " + items_[i].second +
-           (i + 1 < items_.size() ? ",\n" : "\n");
-    }
-    return s + "}\n";
-  }
-
- private:
-  std::vector<std::pair<std::string, std::string>> items_;
-};
+/// The flat JSON object summary.json is written with.
+using ddpkit::detail::JsonObject;
 
 /// Rank 0's display: a progress bar redrawn in place on a terminal, one
 /// plain line per epoch otherwise.
+/// When the Progress display prints a plain line where stdout is not a
+/// terminal (a pipe, a file, SLURM's or torchrun's log): every
+/// `every_n_steps` batches, and at least every `every_seconds` seconds
+/// (0 turns either off). A terminal gets the redrawn bar instead.
+struct ProgressOptions {
+  TORCH_ARG(std::int64_t, every_n_steps) = 0;
+  TORCH_ARG(double, every_seconds) = 30;
+};
+
+/// Rank 0's display: on a terminal a bar redrawn at most every 0.1 s;
+/// elsewhere a plain line as ProgressOptions says:
+/// `epoch 1/3 step 40/400 loss 1.2345 830 img/s ETA 42s`. Then one line
+/// per epoch.
 class Progress {
  public:
-  explicit Progress(bool enabled)
-      : enabled_(enabled), tty_(enabled && ::isatty(STDOUT_FILENO)) {}
+  explicit Progress(bool enabled, ProgressOptions options = {})
+      : enabled_(enabled),
+        tty_(enabled && ::isatty(STDOUT_FILENO)),
+        options_(options) {}
 
   void begin_epoch(int epoch, int epochs, std::size_t steps) {
     epoch_ = epoch;
     epochs_ = epochs;
     steps_ = steps;
     start_ = std::chrono::steady_clock::now();
+    last_line_ = start_;
   }
 
   void step(std::size_t done, double loss, double images_per_second) {
-    if (!tty_) return;
+    if (!enabled_) return;
     auto now = std::chrono::steady_clock::now();
+    double elapsed = std::chrono::duration<double>(now - start_).count();
+    double eta = done ? elapsed / done * (steps_ - done) : 0;
+    if (!tty_) {
+      const auto n = options_.every_n_steps();
+      const double secs = options_.every_seconds();
+      const bool by_steps = n > 0 && done % static_cast<std::size_t>(n) == 0;
+      const bool by_time =
+          secs > 0 &&
+          std::chrono::duration<double>(now - last_line_).count() >= secs;
+      if (!by_steps && !by_time) return;
+      last_line_ = now;
+      std::printf("epoch %d/%d step %zu/%zu loss %.4f %.0f img/s ETA %.0fs\n",
+                  epoch_, epochs_, done, steps_, loss, images_per_second, eta);
+      std::fflush(stdout);
+      return;
+    }
     if (done < steps_ && now - last_draw_ < std::chrono::milliseconds(100))
       return;
     last_draw_ = now;
     drawn_ = true;
-    double elapsed = std::chrono::duration<double>(now - start_).count();
-    double eta = done ? elapsed / done * (steps_ - done) : 0;
     const int width = 24;
     int filled = steps_ ? static_cast<int>(width * done / steps_) : width;
     std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f %.0f img/s ETA %.0fs ",
@@ -256,10 +229,11 @@ class Progress {
 
  private:
   bool enabled_, tty_;
+  ProgressOptions options_;
   bool drawn_ = false;  ///< a bar is on the current line
   int epoch_ = 0, epochs_ = 0;
   std::size_t steps_ = 0;
-  std::chrono::steady_clock::time_point start_, last_draw_;
+  std::chrono::steady_clock::time_point start_, last_draw_, last_line_;
 };
 
 }  // namespace ddpkit::train

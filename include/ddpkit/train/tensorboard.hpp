@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ddpkit/detail/bytes.hpp"
 #include "ddpkit/detail/error.hpp"
 
 namespace ddpkit::train {
@@ -64,12 +65,7 @@ inline void varint(std::string& out, std::uint64_t v) {
 inline void key(std::string& out, int field, int wire) {
   varint(out, (static_cast<std::uint64_t>(field) << 3) | wire);
 }
-template <class T>
-void little_endian(std::string& out, T v) {
-  char b[sizeof(T)];
-  std::memcpy(b, &v, sizeof(T));  // x86-64 and aarch64 are little-endian
-  out.append(b, sizeof(T));
-}
+using ddpkit::detail::append_le;
 inline void bytes_field(std::string& out, int field, const std::string& b) {
   key(out, field, 2);
   varint(out, b.size());
@@ -82,7 +78,7 @@ inline std::string event(double wall_time, std::int64_t step,
                          const std::string& payload) {
   std::string e;
   key(e, 1, 1);
-  little_endian(e, wall_time);
+  append_le(e, wall_time);
   key(e, 2, 0);
   varint(e, static_cast<std::uint64_t>(step));
   return e + payload;
@@ -91,11 +87,11 @@ inline std::string event(double wall_time, std::int64_t step,
 /// One TFRecord around `data`.
 inline std::string record(const std::string& data) {
   std::string r;
-  little_endian(r, static_cast<std::uint64_t>(data.size()));
+  append_le(r, static_cast<std::uint64_t>(data.size()));
   const std::uint32_t len_crc = masked_crc32c(r.data(), 8);
-  little_endian(r, len_crc);
+  append_le(r, len_crc);
   r += data;
-  little_endian(r, masked_crc32c(data.data(), data.size()));
+  append_le(r, masked_crc32c(data.data(), data.size()));
   return r;
 }
 
@@ -157,7 +153,7 @@ class TensorBoardWriter {
     std::string v;
     bytes_field(v, 1, tag);
     key(v, 2, 5);
-    little_endian(v, static_cast<float>(value));
+    append_le(v, static_cast<float>(value));
     add_value(v, step);
   }
 

@@ -26,11 +26,12 @@
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/data/loader.hpp"
 #include "ddpkit/data/samplers.hpp"
-#include "ddpkit/dist/collectives.hpp"
+#include "ddpkit/detail/seed.hpp"
+#include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
+#include "ddpkit/parallel/engine.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
-#include "ddpkit/parallel/step_output.hpp"
 #include "ddpkit/train/callbacks.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/clip.hpp"
@@ -118,6 +119,10 @@ struct TrainerOptions {
   TORCH_ARG(double, eval_timeout) = 3600;
   /// Rank 0 prints progress and one line per epoch.
   TORCH_ARG(bool, verbose) = true;
+  /// Where stdout is not a terminal (SLURM, torchrun, a pipe), how often
+  /// rank 0 prints a progress line (step, loss, throughput, time left):
+  /// every N batches and/or every S seconds (default 30 s).
+  TORCH_ARG(ProgressOptions, progress) = {};
   /// Names the run in summary.json ("cifar10", "flowers-resnet34").
   TORCH_ARG(std::string, run_name) = "ddpkit";
   /// Drop the tail of the training set so every rank has equal batches.
@@ -258,6 +263,13 @@ class Trainer : private CheckpointWriter {
       throw UsageError(cat("keep_best ", options_.keep_best(),
                            " must be >= 0 (0: no best checkpoints)"));
     }
+    if (options_.progress().every_n_steps() < 0 ||
+        !(options_.progress().every_seconds() >= 0)) {
+      throw UsageError(cat("progress every ",
+                           options_.progress().every_n_steps(), " steps / ",
+                           options_.progress().every_seconds(),
+                           " s: both must be >= 0 (0: off)"));
+    }
     if (options_.log_every_n_steps() < 0) {
       throw UsageError(cat("log_every_n_steps ", options_.log_every_n_steps(),
                            " must be >= 0 (0: never)"));
@@ -311,7 +323,7 @@ class Trainer : private CheckpointWriter {
         MetricsFiles{},
         TensorBoardLog(options_.tensorboard(), options_.log_every_n_steps(),
                        hparams_markdown(lo)),
-        ProgressDisplay(is_main() && options_.verbose())};
+        ProgressDisplay(is_main() && options_.verbose(), options_.progress())};
     auto emit = [&](const auto& event) {
       std::apply(
           [&](auto&... b) { train::emit(event, early, callbacks..., b...); },
@@ -604,8 +616,9 @@ class Trainer : private CheckpointWriter {
     set_lr(*optimizer_, s.lr);
     // Dropout and other in-model randomness: a function of (seed, epoch,
     // rank) alone, so a resumed run draws exactly what the original did.
-    torch::manual_seed(options_.seed() * 1000003ull + s.epoch * 7919ull +
-                       rank());
+    torch::manual_seed(ddpkit::detail::mix_seed(
+        {options_.seed(), static_cast<std::uint64_t>(s.epoch),
+         static_cast<std::uint64_t>(rank())}));
     sampler.set_epoch(static_cast<std::size_t>(s.epoch));
     std::vector<std::size_t> indices = sampler.indices();
     if (options_.max_steps() > 0) {

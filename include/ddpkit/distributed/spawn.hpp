@@ -26,6 +26,7 @@
 #include <torch/arg.h>
 
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/scope_guard.hpp"
 
 extern char** environ;
 
@@ -157,13 +158,10 @@ inline SpawnResult spawn(const SpawnOptions& opts) {
     }
     rdv_dir = tmpl;
   }
-  struct RemoveDir {
-    std::string dir;
-    ~RemoveDir() {
-      std::error_code ec;
-      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
-    }
-  } remove_rdv_dir{rdv_dir};
+  ddpkit::detail::ScopeExit remove_rdv_dir([&rdv_dir] {
+    std::error_code ec;
+    if (!rdv_dir.empty()) std::filesystem::remove_all(rdv_dir, ec);
+  });
 
   // Signals arrive through sigtimedwait, not handlers: block them here and
   // unblock them in each child before exec.

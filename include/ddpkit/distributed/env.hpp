@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/parse.hpp"
 
 namespace ddpkit::dist {
 
@@ -61,23 +62,11 @@ inline EnvLookup process_environment() {
 
 namespace detail {
 
+/// Launcher variable `name` as a whole number >= `min_value`.
 inline int parse_int(std::string_view name, const std::string& value,
                      int min_value) {
-  int out = 0;
-  const char* first = value.data();
-  const char* last = value.data() + value.size();
-  auto [ptr, ec] = std::from_chars(first, last, out);
-  if (value.empty() || ec != std::errc() || ptr != last) {
-    throw UsageError(ddpkit::detail::cat(
-        "environment variable ", name, "='", value,
-        "' is not an integer (expected a whole number >= ", min_value, ")"));
-  }
-  if (out < min_value) {
-    throw UsageError(
-        ddpkit::detail::cat("environment variable ", name, "=", value,
-                            " is out of range (expected >= ", min_value, ")"));
-  }
-  return out;
+  return ddpkit::detail::parse_int<int>(ddpkit::detail::env_what(name), value,
+                                        min_value);
 }
 
 struct VarNames {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/process_group.hpp"
+#include "ddpkit/distributed/process_group.hpp"
 
 namespace ddpkit::dist {
 
@@ -25,7 +25,7 @@ inline void wait(const Group& g, const compat::WorkPtr& work,
     throw PeerFailure(ddpkit::detail::cat(
         "rank ", g.rank(), ": ", what, " failed (a peer may have died or the ",
         "collective timed out after ", g.timeout().count() / 1000.0,
-        " s): ", msg.substr(0, msg.find('\n'))));
+        " s): ", ddpkit::detail::first_line(msg)));
   };
   try {
     work->wait();
@@ -203,7 +203,7 @@ inline torch::Tensor& broadcast_when_ready(const Group& g, torch::Tensor& t,
     throw PeerFailure(ddpkit::detail::cat(
         "rank ", g.rank(), ": waited for rank ", src, "'s ", what,
         " and it did not come within ", wait.count() / 1000.0,
-        " s (or the store is gone): ", msg.substr(0, msg.find('\n'))));
+        " s (or the store is gone): ", ddpkit::detail::first_line(msg)));
   }
   return broadcast(g, t, src);
 }

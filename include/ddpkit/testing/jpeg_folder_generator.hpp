@@ -13,11 +13,11 @@
 
 #include "ddpkit/data/image_folder.hpp"
 #include "ddpkit/data/image_io.hpp"
-#include "ddpkit/data/synthetic.hpp"
 #include "ddpkit/data/transforms.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/testing/synthetic.hpp"
 
-namespace ddpkit::data {
+namespace ddpkit::testing {
 
 /// Options of `make_jpeg_folder`.
 struct JpegFolderOptions {
@@ -43,8 +43,8 @@ struct JpegFolderOptions {
 ///
 /// Example:
 /// ```
-/// ddpkit::data::make_jpeg_folder("/tmp/flowers",
-///     ddpkit::data::JpegFolderOptions().images_per_class(50));
+/// ddpkit::testing::make_jpeg_folder("/tmp/flowers",
+///     ddpkit::testing::JpegFolderOptions().images_per_class(50));
 /// auto folder = ddpkit::data::read_image_folder("/tmp/flowers");
 /// ```
 inline std::vector<std::string> make_jpeg_folder(
@@ -55,10 +55,11 @@ inline std::vector<std::string> make_jpeg_folder(
     throw UsageError(ddpkit::detail::cat("make_jpeg_folder: ", classes.size(),
                                          " classes; expected 1 to 10"));
   }
-  for (const auto& c : classes) check_class_name(c);
+  for (const auto& c : classes) data::check_class_name(c);
   const auto per = opts.images_per_class();
   auto set = make_synthetic(SyntheticOptions(10 * per).seed(opts.seed()));
-  detail::SplitMix rng{detail::mix_seed(opts.seed(), 0xF01DE5ull)};
+  ddpkit::detail::SplitMix rng{
+      ddpkit::detail::mix_seed({opts.seed(), 0xF01DE5ull})};
   const int64_t* lab = set.labels.data_ptr<int64_t>();
   std::vector<std::size_t> written(classes.size(), 0);
   for (std::size_t i = 0; i < set.size(); ++i) {
@@ -69,15 +70,16 @@ inline std::vector<std::string> make_jpeg_folder(
     int64_t h = opts.short_side(),
             w = static_cast<int64_t>(opts.short_side() * aspect);
     if (rng.uniform() < 0.5f) std::swap(h, w);
-    auto img = resize_image(set.images[static_cast<int64_t>(i)], h, w)
+    auto img = data::resize_image(set.images[static_cast<int64_t>(i)], h, w)
                    .round_()
                    .clamp_(0, 255)
                    .to(torch::kUInt8);
-    write_jpeg(root / classes[c] /
-                   ddpkit::detail::cat(classes[c], "_", written[c]++, ".jpg"),
-               img, opts.quality());
+    data::write_jpeg(
+        root / classes[c] /
+            ddpkit::detail::cat(classes[c], "_", written[c]++, ".jpg"),
+        img, opts.quality());
   }
   return classes;
 }
 
-}  // namespace ddpkit::data
+}  // namespace ddpkit::testing

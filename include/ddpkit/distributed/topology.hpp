@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/compat.hpp"
 
 namespace ddpkit::dist {
 
@@ -155,7 +155,7 @@ struct Topology {
     const auto on = ranks_on(host);
     std::ostringstream s;
     s << (on.size() == 1 ? "rank " : "ranks ");
-    for (std::size_t i = 0; i < on.size(); ++i) s << (i ? ", " : "") << on[i];
+    s << ddpkit::detail::join(on, ", ");
     if (!on.empty()) {
       s << " on host '" << host_name[static_cast<std::size_t>(on.front())]
         << "'";

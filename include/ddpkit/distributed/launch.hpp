@@ -10,9 +10,10 @@
 #include <vector>
 
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/env.hpp"
-#include "ddpkit/dist/process_group.hpp"
-#include "ddpkit/dist/spawn.hpp"
+#include "ddpkit/detail/parse.hpp"
+#include "ddpkit/distributed/env.hpp"
+#include "ddpkit/distributed/process_group.hpp"
+#include "ddpkit/distributed/spawn.hpp"
 
 namespace ddpkit::dist {
 
@@ -28,14 +29,7 @@ inline int world_size_from_args(int argc, char** argv) {
     } else {
       continue;
     }
-    try {
-      std::size_t used = 0;
-      int n = std::stoi(v, &used);
-      if (used == v.size() && n >= 1) return n;
-    } catch (...) {
-    }
-    throw UsageError(ddpkit::detail::cat(
-        "--world-size: '", v, "' is invalid (expected an integer >= 1)"));
+    return ddpkit::detail::parse_int<int>("--world-size", v, 1);
   }
   return 0;
 }

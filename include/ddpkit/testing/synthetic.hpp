@@ -17,40 +17,11 @@
 
 #include "ddpkit/data/cifar10.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/seed.hpp"
 
-namespace ddpkit::data {
+namespace ddpkit::testing {
 
 namespace detail {
-
-/// splitmix64: a tiny counter-based generator, so image `i` of seed `s` is
-/// drawn the same whatever the thread that draws it.
-struct SplitMix {
-  std::uint64_t state;
-  std::uint64_t next() {
-    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  /// Uniform in [0, 1).
-  float uniform() {
-    return static_cast<float>(next() >> 40) * (1.0f / 16777216.0f);
-  }
-  float uniform(float lo, float hi) {
-    return lo + (hi - lo) * uniform();
-  }
-  /// Standard normal (Box–Muller; one value per call keeps it stateless).
-  float normal() {
-    float u1 = std::max(uniform(), 1e-7f), u2 = uniform();
-    return std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853f * u2);
-  }
-};
-
-inline std::uint64_t mix_seed(std::uint64_t a, std::uint64_t b) {
-  SplitMix m{a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull)};
-  m.next();
-  return m.next();
-}
 
 /// HSV (h in turns) to RGB in [0, 1].
 inline std::array<float, 3> hsv_to_rgb(float h, float s, float v) {
@@ -110,14 +81,14 @@ struct SyntheticOptions {
 ///
 /// Example:
 /// ```
-/// auto train = ddpkit::data::make_synthetic(
-///     ddpkit::data::SyntheticOptions(5000).seed(1));
+/// auto train = ddpkit::testing::make_synthetic(
+///     ddpkit::testing::SyntheticOptions(5000).seed(1));
 /// // train.images: uint8 5000×3×32×32, train.labels: int64 in 0..9
 /// ```
-inline ImageTensors make_synthetic(const SyntheticOptions& opts) {
+inline data::ImageTensors make_synthetic(const SyntheticOptions& opts) {
   const auto n = static_cast<int64_t>(opts.size());
   const int s = opts.image_size();
-  ImageTensors out;
+  data::ImageTensors out;
   out.images = torch::empty({n, 3, s, s}, torch::kUInt8);
   out.labels = torch::empty({n}, torch::kInt64);
   out.classes = synthetic_classes();
@@ -125,8 +96,8 @@ inline ImageTensors make_synthetic(const SyntheticOptions& opts) {
   int64_t* lab = out.labels.data_ptr<int64_t>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      detail::SplitMix rng{
-          detail::mix_seed(opts.seed(), static_cast<std::uint64_t>(i))};
+      ddpkit::detail::SplitMix rng{ddpkit::detail::mix_seed(
+          {opts.seed(), static_cast<std::uint64_t>(i)})};
       const int c = static_cast<int>(i % 10);
       lab[i] = c;
       const float hue = c / 10.0f + rng.uniform(-0.07f, 0.07f);
@@ -166,12 +137,12 @@ inline ImageTensors make_synthetic(const SyntheticOptions& opts) {
 /// test_batch.bin, batches.meta.txt), so the real reader can be exercised.
 /// Images must be 3×32×32 uint8 with labels 0..9.
 inline void write_cifar_binary(const std::filesystem::path& dir,
-                               const ImageTensors& train,
-                               const ImageTensors& test) {
+                               const data::ImageTensors& train,
+                               const data::ImageTensors& test) {
   namespace fs = std::filesystem;
   fs::create_directories(dir);
-  auto write = [](const fs::path& file, const ImageTensors& set, int64_t begin,
-                  int64_t end) {
+  auto write = [](const fs::path& file, const data::ImageTensors& set,
+                  int64_t begin, int64_t end) {
     if (set.size() > 0 &&
         (set.images.size(1) != 3 || set.images.size(2) != 32 ||
          set.images.size(3) != 32)) {
@@ -202,8 +173,8 @@ inline void write_cifar_binary(const std::filesystem::path& dir,
   write(dir / "test_batch.bin", test, 0, static_cast<int64_t>(test.size()));
   std::ofstream meta(dir / "batches.meta.txt");
   for (const auto& name :
-       train.classes.empty() ? cifar10_classes() : train.classes)
+       train.classes.empty() ? data::cifar10_classes() : train.classes)
     meta << name << "\n";
 }
 
-}  // namespace ddpkit::data
+}  // namespace ddpkit::testing

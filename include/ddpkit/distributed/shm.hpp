@@ -48,9 +48,9 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/error.hpp"
-#include "ddpkit/dist/compat.hpp"
-#include "ddpkit/dist/topology.hpp"
+#include "ddpkit/distributed/topology.hpp"
 
 namespace ddpkit::dist {
 
@@ -690,7 +690,7 @@ class ShmChannel {
       } catch (const std::exception& e) {
         std::string what = e.what();
         std::snprintf(line.what, sizeof line.what, "%s",
-                      what.substr(0, what.find('\n')).c_str());
+                      ddpkit::detail::first_line(what).c_str());
         line.failed = 1;
       }
     }
