@@ -193,9 +193,10 @@ TEST_SUITE("dist") {
     std::vector<std::string> b{"prog", "--world-size=0"};
     std::vector<char*> bv;
     for (auto& s : b) bv.push_back(s.data());
-    CHECK_THROWS_WITH_AS(dist::world_size_from_args(2, bv.data()),
-                         doctest::Contains("--world-size=0 is out of range (expected >= 1)"),
-                         UsageError);
+    CHECK_THROWS_WITH_AS(
+        dist::world_size_from_args(2, bv.data()),
+        doctest::Contains("--world-size=0 is out of range (expected >= 1)"),
+        UsageError);
   }
 
   // ---- collectives over real processes
