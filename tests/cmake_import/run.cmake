@@ -22,6 +22,28 @@ if(CXX_LAUNCHER)
   list(APPEND consumer_args "-DCMAKE_CXX_COMPILER_LAUNCHER=${CXX_LAUNCHER}")
 endif()
 
+# consumer(<work> <prefix path> <label> <out var>): configure, build and run
+# tests/cmake_import in <work> with CMAKE_PREFIX_PATH=<prefix path>; fails
+# the test naming <label>; <out var> gets what the consumer printed.
+function(consumer work prefix_path label out_var)
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${work} ${consumer_args}
+                          "-DCMAKE_PREFIX_PATH=${prefix_path}"
+                  RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "configuring the consumer with ${label} (-DCMAKE_PREFIX_PATH=${prefix_path}) failed")
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} --build ${work} RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "building the consumer with ${label} failed")
+  endif()
+  execute_process(COMMAND ${work}/consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+  message(STATUS "consumer (${label}): ${out}")
+  if(rc)
+    message(FATAL_ERROR "the consumer built with ${label} failed")
+  endif()
+  set(${out_var} "${out}" PARENT_SCOPE)
+endfunction()
+
 # (a) The wheel, as PyTorch documents it.
 set(wheel_prefix "")
 if(PYTHON AND EXISTS "${PYTHON}")
@@ -36,21 +58,7 @@ if(PYTHON AND EXISTS "${PYTHON}")
   endif()
 endif()
 if(wheel_prefix)
-  execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${wheel_work} ${consumer_args}
-                          "-DCMAKE_PREFIX_PATH=${wheel_prefix};${prefix}"
-                  RESULT_VARIABLE rc)
-  if(rc)
-    message(FATAL_ERROR "configuring the consumer with -DCMAKE_PREFIX_PATH=${wheel_prefix};${prefix} failed")
-  endif()
-  execute_process(COMMAND ${CMAKE_COMMAND} --build ${wheel_work} RESULT_VARIABLE rc)
-  if(rc)
-    message(FATAL_ERROR "building the consumer against the wheel failed")
-  endif()
-  execute_process(COMMAND ${wheel_work}/consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out)
-  message(STATUS "wheel consumer: ${out}")
-  if(rc)
-    message(FATAL_ERROR "the consumer built against the wheel failed")
-  endif()
+  consumer(${wheel_work} "${wheel_prefix};${prefix}" "the wheel's prefix" out)
   # Its headers are the wheel's ...
   if(NOT out MATCHES "libtorch ${wheel_version},")
     message(FATAL_ERROR "the consumer built with the wheel's prefix reports '${out}', "
@@ -81,21 +89,7 @@ else()
 endif()
 
 # (b) ddpkit's prefix alone.
-execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${work} ${consumer_args}
-                        -DCMAKE_PREFIX_PATH=${prefix}
-                RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "configuring the consumer failed")
-endif()
-execute_process(COMMAND ${CMAKE_COMMAND} --build ${work} RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "building the consumer failed")
-endif()
-execute_process(COMMAND ${work}/consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out)
-message(STATUS "consumer: ${out}")
-if(rc)
-  message(FATAL_ERROR "the consumer failed")
-endif()
+consumer(${work} "${prefix}" "ddpkit's prefix alone" out)
 
 # An example builds on its own against the installed package too.
 set(ex_work ${BUILD_DIR}/cmake_import/example)
