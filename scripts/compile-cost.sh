@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Seconds to compile a user's file that includes one ddpkit header, for each
-# header named, alternating between this tree and another (e.g. an older
+# header named, alternating round by round between this tree and another (e.g. an older
 # checkout) so both see the same machine load.
 #
 #   scripts/compile-cost.sh BUILD_DIR [OTHER_TREE] [ROUNDS]
@@ -22,26 +22,43 @@ flags=$(ninja -C "$build" -t commands tests/CMakeFiles/ddpkit_tests.dir/train/tr
 [ -n "$flags" ] || { echo "compile-cost: no compile flags found in $build" >&2; exit 2; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+flags_for() {  # tree -> the build's flags with tree's include/ instead
+  echo "${flags//-I$here\/include/-I$1\/include}"
+}
+header_in() {  # tree header -> the header's name in that tree
+  # The distributed runtime was ddpkit/dist.hpp before 0.3.
+  if [ "$2" = ddpkit/distributed.hpp ] && [ ! -e "$1/include/$2" ]; then
+    echo ddpkit/dist.hpp
+  else
+    echo "$2"
+  fi
+}
 measure() {  # tree header -> seconds
-  local tree=$1 h=$2
-  printf '#include <%s>\nint main() { return 0; }\n' "$h" > "$tmp/u.cpp"
-  local f=${flags//-I$here\/include/-I$tree\/include}
-  local t0=$(date +%s.%N)
-  # shellcheck disable=SC2086
-  /usr/bin/c++ $f -O1 -c "$tmp/u.cpp" -o "$tmp/u.o"
+  printf '#include <%s>\nint main() { return 0; }\n' "$2" > "$tmp/u.cpp"
+  local t0
+  t0=$(date +%s.%N)
+  # shellcheck disable=SC2046
+  /usr/bin/c++ $(flags_for "$1") -O1 -c "$tmp/u.cpp" -o "$tmp/u.o"
   awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'
 }
 headers=(ddpkit/ddpkit.hpp ddpkit/train.hpp ddpkit/distributed.hpp)
 [ -n "${HEADERS:-}" ] && read -r -a headers <<< "$HEADERS"
+trees=("$here")
+[ -n "$other" ] && trees+=("$other")
 for h in "${headers[@]}"; do
-  for tree in "$here" ${other:+"$other"}; do
-    hh=$h
-    # The distributed runtime was ddpkit/dist.hpp before 0.3.
-    [ "$h" = ddpkit/distributed.hpp ] && [ ! -e "$tree/include/$h" ] && hh=ddpkit/dist.hpp
-    times=()
-    for ((r = 0; r < rounds; r++)); do times+=("$(measure "$tree" "$hh")"); done
-    best=$(printf '%s\n' "${times[@]}" | sort -g | head -1)
-    codecs=$(printf '#include <%s>\n' "$hh" | /usr/bin/c++ ${flags//-I$here\/include/-I$tree\/include} -x c++ -E -H - -o /dev/null 2>&1 | grep -cE '(jpeglib|png|turbojpeg)\.h$' || true)
-    printf '%-28s %-40s best %6.1f s  (all: %s)  codec headers parsed: %s\n' "$hh" "$tree" "$best" "${times[*]}" "$codecs"
+  declare -A times=()
+  # Round by round, one compile per tree, so both see the same load.
+  for ((r = 0; r < rounds; r++)); do
+    for tree in "${trees[@]}"; do
+      times[$tree]+="$(measure "$tree" "$(header_in "$tree" "$h")") "
+    done
   done
+  for tree in "${trees[@]}"; do
+    hh=$(header_in "$tree" "$h")
+    best=$(printf '%s\n' ${times[$tree]} | sort -g | head -1)
+    # shellcheck disable=SC2046
+    codecs=$(printf '#include <%s>\n' "$hh" | /usr/bin/c++ $(flags_for "$tree") -x c++ -E -H - -o /dev/null 2>&1 | grep -cE '(jpeglib|png|turbojpeg)\.h$' || true)
+    printf '%-28s %-40s best %6.1f s  (all: %s)  codec headers parsed: %s\n' "$hh" "$tree" "$best" "${times[$tree]% }" "$codecs"
+  done
+  unset times
 done

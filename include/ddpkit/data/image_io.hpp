@@ -619,6 +619,11 @@ class ImageBatch {
     for (const auto& im : images)
       items_.push_back({nullptr, "<tensor>", im, 0});
   }
+  /// A uint8 N×3×H×W batch, image by image.
+  explicit ImageBatch(const torch::Tensor& batch) {
+    for (const auto& im : batch.unbind(0))
+      items_.push_back({nullptr, "<tensor>", im, 0});
+  }
 
   std::size_t size() const {
     return items_.size();

@@ -162,9 +162,7 @@ struct ImageNetTrain {
   }
   torch::Tensor operator()(const torch::Tensor& batch,
                            torch::Generator& gen) const {
-    auto v = batch.unbind(0);
-    return (*this)(ImageBatch(std::vector<torch::Tensor>(v.begin(), v.end())),
-                   gen);
+    return (*this)(ImageBatch(batch), gen);
   }
 };
 
@@ -222,9 +220,7 @@ struct ImageNetEval {
   }
   torch::Tensor operator()(const torch::Tensor& batch,
                            torch::Generator& gen) const {
-    auto v = batch.unbind(0);
-    return (*this)(ImageBatch(std::vector<torch::Tensor>(v.begin(), v.end())),
-                   gen);
+    return (*this)(ImageBatch(batch), gen);
   }
 };
 

@@ -55,9 +55,6 @@ class JsonObject {
   JsonObject& add(std::string_view k, std::string_view v) {
     return raw(k, json_string(v));
   }
-  JsonObject& add(std::string_view k, const std::string& v) {
-    return raw(k, json_string(v));
-  }
   JsonObject& add(std::string_view k, const char* v) {
     return raw(k, json_string(v));
   }

@@ -99,11 +99,6 @@ T parse_choice(std::string_view what, std::string_view text,
   throw UsageError(cat(what, "='", text, "' must be ", one_of(names)));
 }
 
-/// "0" or "1" (how ddpkit's on/off environment variables are spelled).
-inline bool parse_switch(std::string_view what, std::string_view text) {
-  return parse_choice<bool>(what, text, {{"0", false}, {"1", true}});
-}
-
 /// Environment variable `name` as `parse_seconds` reads it, or `dflt`.
 inline std::chrono::milliseconds env_seconds(std::string_view name,
                                              std::chrono::milliseconds dflt) {
@@ -117,6 +112,12 @@ T env_choice(std::string_view name, T dflt,
              const std::vector<std::pair<std::string_view, T>>& table) {
   const auto v = env_value(name);
   return v ? parse_choice<T>(env_what(name), *v, table) : dflt;
+}
+
+/// An on/off environment variable, spelled "0" or "1" as ddpkit's are; `dflt`
+/// when unset.
+inline bool env_switch(std::string_view name, bool dflt) {
+  return env_choice<bool>(name, dflt, {{"0", false}, {"1", true}});
 }
 
 }  // namespace ddpkit::detail

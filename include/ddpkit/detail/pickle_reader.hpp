@@ -150,14 +150,14 @@ class Unpickler {
           push(o);
           break;
         }
-        case 'K': push_int(static_cast<std::int64_t>(le(take(1)))); break;
-        case 'M': push_int(static_cast<std::int64_t>(le(take(2)))); break;
+        case 'K': push_int(static_cast<std::int64_t>(read_le(take(1)))); break;
+        case 'M': push_int(static_cast<std::int64_t>(read_le(take(2)))); break;
         case 'J':
           push_int(static_cast<std::int32_t>(
-              static_cast<std::uint32_t>(le(take(4)))));
+              static_cast<std::uint32_t>(read_le(take(4)))));
           break;
         case 0x8a: {  // LONG1
-          const auto bytes = take(static_cast<std::size_t>(le(take(1))));
+          const auto bytes = take(static_cast<std::size_t>(read_le(take(1))));
           if (bytes.size() > 8) fail("an integer of more than 64 bits");
           push_int(long1_value(bytes));
           break;
@@ -170,12 +170,12 @@ class Unpickler {
           push(o);
           break;
         }
-        case 'X': push_str(Obj::string, take(le(take(4)))); break;
-        case 0x8c: push_str(Obj::string, take(le(take(1)))); break;
-        case 0x8d: push_str(Obj::string, take(le(take(8)))); break;
-        case 'B': push_str(Obj::bytes, take(le(take(4)))); break;
-        case 'C': push_str(Obj::bytes, take(le(take(1)))); break;
-        case 0x8e: push_str(Obj::bytes, take(le(take(8)))); break;
+        case 'X': push_str(Obj::string, take(read_le(take(4)))); break;
+        case 0x8c: push_str(Obj::string, take(read_le(take(1)))); break;
+        case 0x8d: push_str(Obj::string, take(read_le(take(8)))); break;
+        case 'B': push_str(Obj::bytes, take(read_le(take(4)))); break;
+        case 'C': push_str(Obj::bytes, take(read_le(take(1)))); break;
+        case 0x8e: push_str(Obj::bytes, take(read_le(take(8)))); break;
         case ')': push(make(Obj::tuple)); break;
         case 't': {
           auto o = make(Obj::tuple);
@@ -219,11 +219,11 @@ class Unpickler {
             set_item(d, kvs[k], kvs[k + 1]);
           break;
         }
-        case 'q': memo_put(le(take(1))); break;
-        case 'r': memo_put(le(take(4))); break;
+        case 'q': memo_put(read_le(take(1))); break;
+        case 'r': memo_put(read_le(take(4))); break;
         case 0x94: memo_put(memo_.size()); break;
-        case 'h': memo_get(le(take(1))); break;
-        case 'j': memo_get(le(take(4))); break;
+        case 'h': memo_get(read_le(take(1))); break;
+        case 'j': memo_get(read_le(take(4))); break;
         case 'c': {
           auto module = line();
           auto name = line();
@@ -278,9 +278,6 @@ class Unpickler {
     auto v = p_.substr(pos_, nl - pos_);
     pos_ = nl + 1;
     return v;
-  }
-  static std::uint64_t le(std::string_view b) {
-    return read_le(b);
   }
   void push(Ptr o) {
     stack_.push_back(std::move(o));

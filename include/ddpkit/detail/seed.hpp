@@ -31,12 +31,8 @@ constexpr std::uint64_t splitmix64(std::uint64_t z) {
 /// A seed that depends on every one of `parts`, in order:
 /// `mix_seed({seed, epoch, rank})`.
 constexpr std::uint64_t mix_seed(std::initializer_list<std::uint64_t> parts) {
-  std::uint64_t h = 0;
-  bool first = true;
-  for (auto p : parts) {
-    h = first ? splitmix64(p) : splitmix64(h ^ p);
-    first = false;
-  }
+  std::uint64_t h = 0;  // the first part's mix is splitmix64(0 ^ part)
+  for (auto p : parts) h = splitmix64(h ^ p);
   return h;
 }
 

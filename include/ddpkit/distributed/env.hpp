@@ -4,7 +4,6 @@
 // or inconsistent values are a `UsageError` naming the variable.
 #pragma once
 
-#include <charconv>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -53,11 +52,7 @@ struct DistEnv {
 using EnvLookup = std::function<std::optional<std::string>(std::string_view)>;
 
 inline EnvLookup process_environment() {
-  return [](std::string_view name) -> std::optional<std::string> {
-    const char* v = std::getenv(std::string(name).c_str());
-    if (v == nullptr) return std::nullopt;
-    return std::string(v);
-  };
+  return [](std::string_view name) { return ddpkit::detail::env_value(name); };
 }
 
 namespace detail {

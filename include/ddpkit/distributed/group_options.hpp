@@ -58,7 +58,7 @@ struct GroupOptions {
   TORCH_ARG(std::string, bind_address) = "";
   /// When every rank runs on this host, all-reduce CPU tensors through a
   /// shared-memory segment instead of gloo's loopback TCP (several times
-  /// faster; see dist/shm.hpp). The environment variable `DDPKIT_SHM=0`
+  /// faster; see distributed/shm.hpp). The environment variable `DDPKIT_SHM=0`
   /// turns it off, `DDPKIT_SHM=1` on.
   TORCH_ARG(bool, shared_memory) = true;
   /// Flat or hierarchical all-reduce across hosts (see AllReduceAlgorithm).

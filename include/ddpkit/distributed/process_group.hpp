@@ -7,14 +7,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -68,8 +66,8 @@ class Group {
 #endif
     // The shared-memory channel carries CPU tensors only: an NCCL group
     // (CUDA tensors) never sets it up.
-    const bool shm = ddpkit::detail::env_choice<bool>(
-        "DDPKIT_SHM", opts.shared_memory(), {{"0", false}, {"1", true}});
+    const bool shm =
+        ddpkit::detail::env_switch("DDPKIT_SHM", opts.shared_memory());
     const auto algorithm = all_reduce_algorithm(opts);
     if (algorithm == AllReduceAlgorithm::hierarchical &&
         !(shm && g.device_.is_cpu())) {
@@ -206,7 +204,7 @@ class Group {
   }
 
   /// How many collectives this group (and its copies) has started: every
-  /// all-reduce, all-gather and broadcast of `dist/collectives.hpp`, the
+  /// all-reduce, all-gather and broadcast of `distributed/collectives.hpp`, the
   /// reducer's bucket all-reduces among them. A world of one starts none.
   /// Tests use it to prove that nothing was sent (e.g. under `no_sync`).
   std::uint64_t collectives_started() const {

@@ -189,15 +189,15 @@ struct Topology {
     const auto names = detail::all_ranks_post(store, k + "name/", rank, world,
                                               detail::this_host_name());
     // Every marker exists now (each was made before its id was posted).
-    std::string mine;
+    std::vector<int> mine;
     for (int r = 0; r < world; ++r) {
       const bool same =
           r == rank || (made && ids[static_cast<std::size_t>(r)] == me &&
                         ::access(marker(r).c_str(), F_OK) == 0);
-      if (same) mine += cat(mine.empty() ? "" : ",", r);
+      if (same) mine.push_back(r);
     }
-    const auto sets =
-        detail::all_ranks_post(store, k + "set/", rank, world, mine);
+    const auto sets = detail::all_ranks_post(store, k + "set/", rank, world,
+                                             ddpkit::detail::join(mine, ","));
     // Every rank has looked: the marker can go.
     if (made) ::unlink(marker(rank).c_str());
 

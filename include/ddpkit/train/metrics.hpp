@@ -11,9 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <iomanip>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -175,33 +173,23 @@ class Progress {
 
   void step(std::size_t done, double loss, double images_per_second) {
     if (!enabled_) return;
-    auto now = std::chrono::steady_clock::now();
-    double elapsed = std::chrono::duration<double>(now - start_).count();
-    double eta = done ? elapsed / done * (steps_ - done) : 0;
-    if (!tty_) {
-      const auto n = options_.every_n_steps();
-      const double secs = options_.every_seconds();
-      const bool by_steps = n > 0 && done % static_cast<std::size_t>(n) == 0;
-      const bool by_time =
-          secs > 0 &&
-          std::chrono::duration<double>(now - last_line_).count() >= secs;
-      if (!by_steps && !by_time) return;
-      last_line_ = now;
+    const auto now = std::chrono::steady_clock::now();
+    if (!due(done, now)) return;
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const double eta = done ? elapsed / done * (steps_ - done) : 0;
+    if (tty_) {
+      drawn_ = true;
+      const int width = 24;
+      int filled = steps_ ? static_cast<int>(width * done / steps_) : width;
+      std::printf(
+          "\repoch %d/%d [%s%s] %zu/%zu loss %.4f %.0f img/s ETA %.0fs ",
+          epoch_, epochs_, std::string(filled, '#').c_str(),
+          std::string(width - filled, '.').c_str(), done, steps_, loss,
+          images_per_second, eta);
+    } else {
       std::printf("epoch %d/%d step %zu/%zu loss %.4f %.0f img/s ETA %.0fs\n",
                   epoch_, epochs_, done, steps_, loss, images_per_second, eta);
-      std::fflush(stdout);
-      return;
     }
-    if (done < steps_ && now - last_draw_ < std::chrono::milliseconds(100))
-      return;
-    last_draw_ = now;
-    drawn_ = true;
-    const int width = 24;
-    int filled = steps_ ? static_cast<int>(width * done / steps_) : width;
-    std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f %.0f img/s ETA %.0fs ",
-                epoch_, epochs_, std::string(filled, '#').c_str(),
-                std::string(width - filled, '.').c_str(), done, steps_, loss,
-                images_per_second, eta);
     std::fflush(stdout);
   }
 
@@ -228,6 +216,26 @@ class Progress {
   }
 
  private:
+  /// Whether batch `done` is shown: on a terminal at most every 0.1 s (and
+  /// the epoch's last batch always), elsewhere as ProgressOptions says.
+  bool due(std::size_t done, std::chrono::steady_clock::time_point now) {
+    if (tty_) {
+      if (done < steps_ && now - last_draw_ < std::chrono::milliseconds(100))
+        return false;
+      last_draw_ = now;
+      return true;
+    }
+    const auto n = options_.every_n_steps();
+    const double secs = options_.every_seconds();
+    const bool by_steps = n > 0 && done % static_cast<std::size_t>(n) == 0;
+    const bool by_time =
+        secs > 0 &&
+        std::chrono::duration<double>(now - last_line_).count() >= secs;
+    if (!by_steps && !by_time) return false;
+    last_line_ = now;
+    return true;
+  }
+
   bool enabled_, tty_;
   ProgressOptions options_;
   bool drawn_ = false;  ///< a bar is on the current line
