@@ -1,5 +1,5 @@
 # ddpkit_add_mode_executables(<name> <source> [LIBS <lib>...]
-#                             [PRECOMPILE <header>...])
+#                             [PRECOMPILE <header>...] [PCH_FROM <target>])
 #
 # Builds <source> once per parallel mode as <name>-single, <name>-dp and
 # <name>-ddp (or only the mode named by the cache variable DDPKIT_MODE:
@@ -7,12 +7,14 @@
 # macros DDPKIT_MODE_SINGLE / _DP / _DDP. The mode is #defined in a
 # generated one-line wrapper rather than with -D, so all modes share one
 # precompiled header (default <ddpkit/ddpkit.hpp>; PRECOMPILE replaces the
-# list). Binaries go to ${CMAKE_BINARY_DIR}/bin.
+# list; PCH_FROM reuses an existing target's precompiled header of the same
+# headers instead, where that target exists). Binaries go to
+# ${CMAKE_BINARY_DIR}/bin.
 include_guard(GLOBAL)
 set(DDPKIT_MODE "all" CACHE STRING "single, dp, ddp or all")
 
 function(ddpkit_add_mode_executables name source)
-  cmake_parse_arguments(arg "" "" "LIBS;PRECOMPILE" ${ARGN})
+  cmake_parse_arguments(arg "" "PCH_FROM" "LIBS;PRECOMPILE" ${ARGN})
   if(NOT arg_PRECOMPILE)
     set(arg_PRECOMPILE <ddpkit/ddpkit.hpp>)
   endif()
@@ -34,7 +36,9 @@ function(ddpkit_add_mode_executables name source)
     target_link_libraries(${name}-${mode} PRIVATE ddpkit::ddpkit ${arg_LIBS})
     set_target_properties(${name}-${mode} PROPERTIES
                           RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-    if(mode STREQUAL first)
+    if(arg_PCH_FROM AND TARGET ${arg_PCH_FROM})
+      target_precompile_headers(${name}-${mode} REUSE_FROM ${arg_PCH_FROM})
+    elseif(mode STREQUAL first)
       target_precompile_headers(${name}-${mode} PRIVATE ${arg_PRECOMPILE})
     else()
       target_precompile_headers(${name}-${mode} REUSE_FROM ${name}-${first})

@@ -154,10 +154,11 @@ int main(int argc, char** argv) {
             trainer.write_summary(result, &t);
             if (!args.quiet) {
               std::printf(
-                  "done: %d epochs, best val_acc %.4f (epoch %d), test_acc "
-                  "%.4f, %.1f s; outputs in %s\n",
-                  result.epochs_run, result.best_val_acc, result.best_epoch,
-                  t.accuracy, result.total_seconds, args.out.c_str());
+                  "done: %d epochs, best %s %.4f (epoch %d), test_acc %.4f, "
+                  "%.1f s; outputs in %s\n",
+                  result.epochs_run, result.monitor.name.c_str(),
+                  result.best_value, result.best_epoch, t.value("acc"),
+                  result.total_seconds, args.out.c_str());
             }
           }
         };

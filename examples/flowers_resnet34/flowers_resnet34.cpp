@@ -196,10 +196,10 @@ int main(int argc, char** argv) {
                     : fit.template operator()<ddpkit::PlainBN>();
         if (group.is_main() && !args.quiet) {
           std::printf(
-              "done: %d epochs, best val_acc %.4f (epoch %d), %.1f s; outputs "
-              "in %s\n",
-              result.epochs_run, result.best_val_acc, result.best_epoch,
-              result.total_seconds, args.out.c_str());
+              "done: %d epochs, best %s %.4f (epoch %d), %.1f s; outputs in "
+              "%s\n",
+              result.epochs_run, result.monitor.name.c_str(), result.best_value,
+              result.best_epoch, result.total_seconds, args.out.c_str());
         }
         return 0;
       });

@@ -46,7 +46,11 @@ struct CommonArgs {
   std::int64_t checkpoint_every = 0;  ///< mid-epoch checkpoints (batches)
   bool checkpoint_on_signal = true;   ///< SIGTERM/SIGINT: checkpoint, stop
   double eval_timeout = 3600;         ///< seconds others wait for rank 0's eval
-  std::string best_metric = "val_acc";  ///< val_acc or val_loss
+  /// --monitor: what "best" means (early stopping, keep-best, best.pt,
+  /// summary.json); "" : the task's own. --mode: min or max ("": the
+  /// task's, or min for a *_loss).
+  std::string monitor;
+  std::string monitor_mode;
 };
 
 /// Adds the common flags to `app`, with `args`' current values as defaults.
@@ -128,10 +132,14 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                  "best.pt is the best)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--best-metric", args.best_metric,
-                 "what ranks checkpoints for --keep-best")
-      ->check(CLI::IsMember({"val_acc", "val_loss"}))
-      ->capture_default_str();
+  app.add_option("--monitor", args.monitor,
+                 "the metric that means best for early stopping, --keep-best, "
+                 "best.pt and summary.json: a metrics.jsonl column such as "
+                 "val_loss (default: the task's; classification: val_acc)");
+  app.add_option("--mode", args.monitor_mode,
+                 "whether the monitored metric is better when lower (min) or "
+                 "higher (max); default: the task's, min for a *_loss")
+      ->check(CLI::IsMember({"min", "max"}));
   app.add_flag("--tensorboard,!--no-tensorboard", args.tensorboard,
                "write TensorBoard event files to OUT/tb (rank 0; on by "
                "default)");
@@ -181,8 +189,8 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .checkpoint_every_n_steps(args.checkpoint_every)
       .checkpoint_on_signal(args.checkpoint_on_signal)
       .eval_timeout(args.eval_timeout)
-      .best_metric(args.best_metric == "val_loss" ? train::BestMetric::val_loss
-                                                  : train::BestMetric::val_acc);
+      .monitor(args.monitor)
+      .monitor_mode(args.monitor_mode);
 }
 
 /// Parses; on a bad value prints the reason and returns 2, on --help

@@ -4,7 +4,7 @@
 // defined beside the code it drives (the folder in brackets); this header
 // only gathers them, so one file shows the choices.
 //
-//   Trainer<Model, Parallel, Sampler, BN, LRScaling, Evaluation>
+//   Trainer<Model, Parallel, Sampler, BN, LRScaling, Evaluation, Task>
 //
 //   Parallel    SingleDevice, DataParallel, DDP, DDPFp16, DDPBf16,
 //               DDPPowerSGD, DDPRuntimeComm                     [parallel/]
@@ -13,10 +13,11 @@
 //   BN          PlainBN, SyncBN                                 [nn/]
 //   LRScaling   NoScaling, LinearScaling, SqrtScaling           [train/]
 //   Evaluation  RankZeroEval, ShardedEval                       [train/]
+//   Task        Classification, Regression, LanguageModel      [train/]
 //
 // The concepts that check each axis and the pairs of axes are in
 // ddpkit/concepts.hpp; what a parallel policy's engine must offer is in
-// ddpkit/parallel/engine.hpp.
+// ddpkit/parallel/engine.hpp, what a task must say in ddpkit/train/task.hpp.
 #pragma once
 
 #include <type_traits>
@@ -27,6 +28,7 @@
 #include "ddpkit/parallel.hpp"
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/reduction.hpp"
+#include "ddpkit/train/task.hpp"
 #include "ddpkit/train/trainer.hpp"
 
 namespace ddpkit {
@@ -44,9 +46,12 @@ using parallel::DDPFp16;
 using parallel::DDPPowerSGD;
 using parallel::DDPRuntimeComm;
 using parallel::SingleDevice;
+using train::Classification;
+using train::LanguageModel;
 using train::LinearScaling;
 using train::NoScaling;
 using train::RankZeroEval;
+using train::Regression;
 using train::ShardedEval;
 using train::SqrtScaling;
 using train::Trainer;
@@ -73,14 +78,16 @@ typename Mode::options_type parallel_options(int devices) {
 
 /// The common combinations, named.
 template <class Model, class BN = PlainBN, class Scaling = NoScaling,
-          class Reduction = RankZeroEval>
+          class Reduction = RankZeroEval, class Task = Classification>
 using DDPTrainer =
-    Trainer<Model, DDP, DistributedSampling, BN, Scaling, Reduction>;
-template <class Model, class Reduction = RankZeroEval>
-using SingleDeviceTrainer =
-    Trainer<Model, SingleDevice, RandomSampling, PlainBN, NoScaling, Reduction>;
-template <class Model, class Reduction = RankZeroEval>
-using DataParallelTrainer =
-    Trainer<Model, DataParallel, RandomSampling, PlainBN, NoScaling, Reduction>;
+    Trainer<Model, DDP, DistributedSampling, BN, Scaling, Reduction, Task>;
+template <class Model, class Reduction = RankZeroEval,
+          class Task = Classification>
+using SingleDeviceTrainer = Trainer<Model, SingleDevice, RandomSampling,
+                                    PlainBN, NoScaling, Reduction, Task>;
+template <class Model, class Reduction = RankZeroEval,
+          class Task = Classification>
+using DataParallelTrainer = Trainer<Model, DataParallel, RandomSampling,
+                                    PlainBN, NoScaling, Reduction, Task>;
 
 }  // namespace ddpkit

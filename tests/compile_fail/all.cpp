@@ -23,3 +23,6 @@
 #define t t_misspelt_callback
 #include "misspelt_callback.cpp"
 #undef t
+#define t t_not_a_task
+#include "not_a_task.cpp"
+#undef t

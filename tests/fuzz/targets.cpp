@@ -681,9 +681,11 @@ int run_checkpoint(const std::uint8_t* data, std::size_t size) {
         },
         /*torch_errors_ok=*/false);
     expect(
-        "read_resume_state",
+        "TrainingState::load",
         [&] {
-          const auto r = train::read_resume_state(*archive, path);
+          const auto r = train::TrainingState::load(
+              *archive, path, train::metric_columns<train::Classification>(),
+              train::Classification::num_sums);
           FUZZ_REQUIRE(r.epochs_done >= 0 && r.bad_epochs >= 0 &&
                        r.best_epoch >= -1);
           for (const auto& m : r.history) FUZZ_REQUIRE(m.epoch >= 0);
@@ -744,12 +746,12 @@ int seeds_checkpoint(const std::string& dir) {
       archive.write("best_val_acc", 0.5);
       archive.write("best_epoch", int64_t{1});
       archive.write("bad_epochs", int64_t{1});
-      archive.write("sampler_epoch", int64_t{2});
       archive.write("world_size", int64_t{1});
       archive.write("seed", int64_t{0});
       archive.write("loss_scale", scalar(1));
-      archive.write("history", torch::rand({2, train::EpochMetrics::kFields},
-                                           torch::kFloat64));
+      archive.write("history",
+                    torch::rand({2, 5 + train::EpochMetrics::kTimingFields},
+                                torch::kFloat64));
       archive.write("rng_cpu",
                     at::detail::getDefaultCPUGenerator().get_state());
     }

@@ -100,10 +100,10 @@ std::string printed_to_file(const std::function<void()>& f) {
 train::EpochMetrics epoch_row() {
   train::EpochMetrics m;
   m.epoch = 1;
-  m.train_loss = 0.5;
-  m.train_acc = 0.25;
-  m.val_loss = 0.75;
-  m.val_acc = 0.6;
+  m.task = {{"train_loss", 0.5},
+            {"train_acc", 0.25},
+            {"val_loss", 0.75},
+            {"val_acc", 0.6}};
   m.lr = 0.01;
   m.seconds = 8;
   m.train_seconds = 6;

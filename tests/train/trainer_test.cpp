@@ -17,6 +17,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
+/// Classification's history columns, as checkpoints hold them.
+const std::vector<std::string> kColumns =
+    train::metric_columns<train::Classification>();
+
 /// A small, fast classifier for 3×32×32 inputs, with dropout so resume must
 /// restore randomness too.
 struct TinyNetImpl : torch::nn::Cloneable<TinyNetImpl> {
@@ -111,7 +115,7 @@ DDPKIT_WORKER(trainer_ddp_run) {
                        data::LoaderOptions(16).workers(1));
   std::ofstream(test::worker_dir() / ("result" + std::to_string(g.rank())))
       << r.epochs_run << " " << r.stopped_early << " "
-      << r.history.back().val_acc;
+      << r.history.back().value("val_acc");
   return 0;
 }
 
@@ -163,9 +167,9 @@ int trainer_scaling_run() {
            torch::MemoryFormat::ChannelsLast)
     << " copied in " << trainer.engine().reducer()->gradient_copies() << "\n";
   for (const auto& e : r.history) {
-    f << e.epoch << " train_loss " << e.train_loss << " train_acc "
-      << e.train_acc << " val_loss " << e.val_loss << " val_acc " << e.val_acc
-      << " lr " << e.lr << "\n";
+    f << e.epoch;
+    for (const auto& [name, value] : e.task) f << " " << name << " " << value;
+    f << " lr " << e.lr << "\n";
   }
   return 0;
 }
@@ -475,8 +479,10 @@ TEST_SUITE("train") {
     torch::manual_seed(99);
     auto resumed = run(b.path(), 4, "auto");
     REQUIRE(resumed.history.size() == 4);
-    CHECK(full.history.back().val_acc == resumed.history.back().val_acc);
-    CHECK(full.history.back().train_loss == resumed.history.back().train_loss);
+    CHECK(full.history.back().value("val_acc") ==
+          resumed.history.back().value("val_acc"));
+    CHECK(full.history.back().train_loss() ==
+          resumed.history.back().train_loss());
     auto ma = model_of(a / "checkpoints/last.pt"),
          mb = model_of(b / "checkpoints/last.pt");
     REQUIRE(ma.size() == mb.size());
@@ -669,7 +675,7 @@ TEST_SUITE("train") {
       "the same set after a resume") {
     auto d = make_data(64, 20);
     auto run = [&](const fs::path& out, int epochs, const std::string& resume,
-                   int k, train::BestMetric metric) {
+                   int k, const std::string& metric) {
       torch::manual_seed(3);
       SingleDeviceTrainer<TinyNet> trainer(TinyNet(), adam(),
                                            base_options(out, epochs)
@@ -677,7 +683,7 @@ TEST_SUITE("train") {
                                                .verbose(false)
                                                .tensorboard(false)
                                                .keep_best(k)
-                                               .best_metric(metric));
+                                               .monitor(metric));
       return trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
                          data::LoaderOptions(16).workers(0));
     };
@@ -694,12 +700,12 @@ TEST_SUITE("train") {
       return v.toInt();
     };
     TempDir a;
-    auto r = run(a.path(), 6, "", 3, train::BestMetric::val_loss);
+    auto r = run(a.path(), 6, "", 3, "val_loss");
     std::vector<std::pair<double, int>> by_loss;
     std::string losses;
     for (const auto& m : r.history) {
-      by_loss.emplace_back(m.val_loss, m.epoch);
-      losses += " " + std::to_string(m.val_loss);
+      by_loss.emplace_back(m.val_loss(), m.epoch);
+      losses += " " + std::to_string(m.val_loss());
     }
     std::stable_sort(by_loss.begin(), by_loss.end(),
                      [](auto& x, auto& y) { return x.first < y.first; });
@@ -723,8 +729,8 @@ TEST_SUITE("train") {
 
     // Interrupted after 3 epochs and resumed: the same files, same bytes.
     TempDir b;
-    run(b.path(), 3, "", 3, train::BestMetric::val_loss);
-    run(b.path(), 6, "auto", 3, train::BestMetric::val_loss);
+    run(b.path(), 3, "", 3, "val_loss");
+    run(b.path(), 6, "auto", 3, "val_loss");
     CHECK(kept(b.path()) == want);
     for (const auto& name : want) {
       if (name == "last.pt") continue;
@@ -739,7 +745,7 @@ TEST_SUITE("train") {
     // The default (1, val_acc): best.pt alone, from the first epoch with the
     // highest val_acc.
     TempDir c;
-    auto rc = run(c.path(), 4, "", 1, train::BestMetric::val_acc);
+    auto rc = run(c.path(), 4, "", 1, "val_acc");
     CHECK(kept(c.path()) == std::set<std::string>{"last.pt", "best.pt"});
     CHECK(epochs_done(c / "checkpoints" / "best.pt") == rc.best_epoch);
   }
@@ -859,7 +865,7 @@ TEST_SUITE("train") {
     a.write("history", torch::zeros({2, 3}, torch::kFloat64));
     train::atomic_save(a, dir / "bad.pt");
     auto archive = train::open_checkpoint(dir / "bad.pt");
-    CHECK_THROWS_WITH_AS(train::read_resume_state(archive, dir / "bad.pt"),
+    CHECK_THROWS_WITH_AS(train::TrainingState::load(archive, dir / "bad.pt", kColumns, 3),
                          doctest::Contains("'epochs_done' is nan, not a whole "
                                            "number"),
                          UsageError);
@@ -880,7 +886,7 @@ TEST_SUITE("train") {
     train::atomic_save(b, dir / "history.pt");
     auto hist = train::open_checkpoint(dir / "history.pt");
     // EpochMetrics::from_tensor read 8 columns of what had 3.
-    CHECK_THROWS_WITH_AS(train::read_resume_state(hist, dir / "history.pt"),
+    CHECK_THROWS_WITH_AS(train::TrainingState::load(hist, dir / "history.pt", kColumns, 3),
                          doctest::Contains("'history' is not an N x 11 (or, "
                                            "from format version 2, N x 8) "
                                            "table"),
@@ -890,8 +896,8 @@ TEST_SUITE("train") {
     // still resumes; the train/val split it never had is NaN.
     b.write("history", torch::arange(16, torch::kFloat64).reshape({2, 8}));
     train::atomic_save(b, dir / "v2.pt");
-    auto v2 = train::read_resume_state(train::open_checkpoint(dir / "v2.pt"),
-                                       dir / "v2.pt");
+    auto v2 = train::TrainingState::load(train::open_checkpoint(dir / "v2.pt"),
+                                         dir / "v2.pt", kColumns, 3);
     REQUIRE(v2.history.size() == 2);
     CHECK(v2.history[1].epoch == 8);
     CHECK(v2.history[1].seconds == 14);
@@ -954,7 +960,8 @@ DDPKIT_WORKER(eval_strategies) {
   auto ra = a.evaluate(d.val, data::CifarEval{}, lo);
   auto rb = b.evaluate(d.val, data::CifarEval{}, lo);
   std::ofstream(test::worker_dir() / ("eval" + std::to_string(g.rank())))
-      << ra.count << " " << rb.count << " " << ra.accuracy << " " << rb.accuracy
+      << ra.count << " " << rb.count << " " << ra.value("acc") << " "
+      << rb.value("acc")
       << " "
       << (std::abs(ra.loss - rb.loss) <= 1e-6 * std::abs(ra.loss) ? "same"
                                                                   : "differ");
@@ -1028,7 +1035,7 @@ DDPKIT_WORKER(slow_rank0_eval) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
   std::ofstream(test::worker_dir() / ("eval" + std::to_string(g.rank())))
-      << r.count << " " << r.accuracy << " " << (secs > 2.5 ? "slow" : "fast");
+      << r.count << " " << r.value("acc") << " " << (secs > 2.5 ? "slow" : "fast");
   return 0;
 }
 
@@ -1706,14 +1713,14 @@ std::string summary_field(const fs::path& out, const std::string& key) {
 
 TEST_SUITE("train") {
   TEST_CASE(
-      "resume with early stopping: interrupted after a bad epoch and "
-      "resumed, a run stops at the uninterrupted run's epoch, with its best "
-      "val_acc, best epoch, global step and keep_best(2) by val_loss "
-      "checkpoints") {
+      "resume with early stopping by a non-default monitor (val_loss, min): "
+      "interrupted after a bad epoch and resumed, a run stops at the "
+      "uninterrupted run's epoch, with its best val_loss, best epoch, global "
+      "step and keep_best(2) checkpoints") {
     auto d = make_data(64, 20);
     constexpr int kPatience = 2, kEpochs = 12;
     // Epochs 1-3 learn; from epoch 4 on the lr is 1e-2 x 1e-12, and Adam's
-    // steps are below the weights' rounding: val_acc stays put until
+    // steps are below the weights' rounding: val_loss stays put until
     // patience stops the run. No batch statistics, no dropout.
     auto run = [&](const fs::path& out, int epochs, const std::string& resume) {
       torch::manual_seed(3);
@@ -1729,7 +1736,7 @@ TEST_SUITE("train") {
                             .step_size(3)
                             .gamma(1e-12))
               .keep_best(2)
-              .best_metric(train::BestMetric::val_loss));
+              .monitor("val_loss"));
       FinalState end;
       auto r =
           trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
@@ -1739,8 +1746,8 @@ TEST_SUITE("train") {
     TempDir a, b;
     const auto [full, full_end] = run(a.path(), kEpochs, "");
     std::string acc;
-    for (const auto& m : full.history) acc += " " + std::to_string(m.val_acc);
-    MESSAGE("uninterrupted: val_acc by epoch:", acc, "; best epoch ",
+    for (const auto& m : full.history) acc += " " + std::to_string(m.val_loss());
+    MESSAGE("uninterrupted: val_loss by epoch:", acc, "; best epoch ",
             full.best_epoch, ", ", full.epochs_run, " epochs");
     REQUIRE(full.stopped_early);
     REQUIRE(full.epochs_run == full.best_epoch + kPatience);
@@ -1755,13 +1762,15 @@ TEST_SUITE("train") {
     CHECK(resumed.stopped_early);
     CHECK(resumed.epochs_run == full.epochs_run);
     CHECK(resumed.best_epoch == full.best_epoch);
-    CHECK(resumed.best_val_acc == full.best_val_acc);
+    CHECK(resumed.best_value == full.best_value);
+    CHECK(full.monitor.name == "val_loss");
     CHECK(resumed_end.best == full_end.best);
     CHECK(resumed_end.bad_epochs == full_end.bad_epochs);
     CHECK(resumed_end.global_step == full_end.global_step);
     CHECK(full_end.global_step == 4 * full.epochs_run);  // 64 / 16 per epoch
     for (std::string key : {"epochs_run", "stopped_early", "best_epoch",
-                            "best_val_acc", "final_val_acc", "best_metric"}) {
+                            "best_val_loss", "final_val_loss", "monitor",
+                            "monitor_mode"}) {
       CAPTURE(key);
       CHECK(summary_field(b.path(), key) == summary_field(a.path(), key));
     }

@@ -9,6 +9,8 @@
 #include <pthread.h>
 #endif
 
+#include <algorithm>
+#include <concepts>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -17,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -27,13 +30,119 @@
 #include "ddpkit/data/transforms.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/seed.hpp"
+#include "ddpkit/detail/strings.hpp"
 
 namespace ddpkit::data {
 
-/// One batch: `data` float N×3×H×W, `target` int64 N.
+/// One batch: the model's input and the task's target (images: `data`
+/// float N×3×H×W, `target` int64 N; a language model: int64 N×T both).
 struct Batch {
   torch::Tensor data;
   torch::Tensor target;
+};
+
+/// One sample of a dataset whose `get(i)` returns samples: the model's
+/// input and the task's target.
+struct Example {
+  torch::Tensor input;
+  torch::Tensor target;
+};
+
+namespace detail {
+/// A sample's input and target: an `Example`, a pair or tuple of two
+/// tensors, or anything with `data` and `target` (libtorch's Example).
+template <class S>
+std::pair<torch::Tensor, torch::Tensor> unpack(const S& s) {
+  if constexpr (requires { s.input; s.target; }) {
+    return {s.input, s.target};
+  } else if constexpr (requires { s.data; s.target; }) {
+    return {s.data, s.target};
+  } else {
+    static_assert(std::tuple_size_v<S> == 2,
+                  "a sample is an Example, a pair or tuple (input, target), or "
+                  "a struct with data and target");
+    return {std::get<0>(s), std::get<1>(s)};
+  }
+}
+}  // namespace detail
+
+/// A dataset that makes whole batches, `get(indices)` returning
+/// `{images, labels}` (the image path: CIFAR, ImageFolder).
+template <class D>
+concept batch_dataset =
+    requires(const D& d, const std::vector<std::size_t>& idx) {
+      { d.size() } -> std::convertible_to<std::size_t>;
+      d.get(idx);
+    };
+
+/// A dataset of samples: `size()` and `get(i)` for one index (and not a
+/// `batch_dataset`).
+template <class D>
+concept sample_dataset =
+    !batch_dataset<D> && requires(const D& d, std::size_t i) {
+      { d.size() } -> std::convertible_to<std::size_t>;
+      d.get(i);
+    };
+
+/// The default collate step: stacks the samples' inputs and targets along a
+/// new first dimension (they must have equal shapes).
+struct Stack {
+  template <class Sample>
+  Batch operator()(const std::vector<Sample>& samples,
+                   torch::Generator&) const {
+    std::vector<torch::Tensor> xs, ys;
+    xs.reserve(samples.size());
+    ys.reserve(samples.size());
+    for (const auto& s : samples) {
+      auto [x, y] = detail::unpack(s);
+      xs.push_back(std::move(x));
+      ys.push_back(std::move(y));
+    }
+    return {torch::stack(xs), torch::stack(ys)};
+  }
+};
+
+/// Collates variable-length sequences: inputs (and targets) of shape L×...
+/// padded at the end to the batch's longest L, inputs with `input_pad` and
+/// targets with `target_pad` (-100: what LanguageModel ignores).
+struct PadSequences {
+  double input_pad = 0;
+  double target_pad = -100;
+
+  template <class Sample>
+  Batch operator()(const std::vector<Sample>& samples,
+                   torch::Generator&) const {
+    std::vector<torch::Tensor> xs, ys;
+    for (const auto& s : samples) {
+      auto [x, y] = detail::unpack(s);
+      xs.push_back(std::move(x));
+      ys.push_back(std::move(y));
+    }
+    return {pad(xs, input_pad), pad(ys, target_pad)};
+  }
+
+ private:
+  static torch::Tensor pad(const std::vector<torch::Tensor>& ts,
+                           double value) {
+    if (ts.empty()) return torch::Tensor();
+    int64_t longest = 0;
+    for (const auto& t : ts) {
+      if (t.dim() < 1 || t.sizes().slice(1) != ts[0].sizes().slice(1)) {
+        throw UsageError(ddpkit::detail::cat(
+            "PadSequences: sample of shape ", t.sizes(),
+            " does not match the first's ", ts[0].sizes(),
+            " past the first (length) dimension"));
+      }
+      longest = std::max(longest, t.size(0));
+    }
+    std::vector<int64_t> shape{static_cast<int64_t>(ts.size()), longest};
+    for (auto d : ts[0].sizes().slice(1)) shape.push_back(d);
+    auto out = torch::full(shape, value, ts[0].options());
+    for (std::size_t i = 0; i < ts.size(); ++i) {
+      out[static_cast<int64_t>(i)].narrow(0, 0, ts[i].size(0)).copy_(ts[i]);
+    }
+    return out;
+  }
 };
 
 /// Options of `Loader`.
@@ -81,11 +190,18 @@ class LoaderEpoch;
 
 /// A prefetching loader over a dataset and a transform.
 ///
-/// The dataset needs `size()` and `get(const std::vector<std::size_t>&)`
-/// returning `{images, labels}` (images: a uint8 N×3×H×W tensor or a vector
-/// of uint8 3×H×W tensors); the transform is called as
-/// `transform(images, torch::Generator&)` and returns float N×3×H×W
-/// (`CifarTrain`, `CifarEval`, `ImageNetTrain`, `ImageNetEval`).
+/// Two kinds of dataset:
+/// - batched (`batch_dataset`, the image path): `size()` and
+///   `get(const std::vector<std::size_t>&)` returning `{images, labels}`
+///   (images: a uint8 N×3×H×W tensor or a vector of uint8 3×H×W tensors);
+///   the transform is called as `transform(images, torch::Generator&)` and
+///   returns float N×3×H×W (`CifarTrain`, `CifarEval`, `ImageNetTrain`,
+///   `ImageNetEval`);
+/// - of samples (`sample_dataset`): `size()` and `get(std::size_t)`
+///   returning one sample (`Example`, a pair or tuple of tensors); the
+///   transform is the collate step, called as
+///   `collate(std::vector<Sample>, torch::Generator&)` and returning a
+///   `Batch` (`Stack`, `PadSequences`, or your own).
 ///
 /// Example:
 /// ```
@@ -159,8 +275,18 @@ class Loader {
       auto gen = make_generator(
           batch_seed(options.seed(), epoch,
                      static_cast<std::uint64_t>(options.rank()), b));
-      auto [images, labels] = dataset.get(idx);
-      Batch out{transform(images, gen), labels};
+      Batch out;
+      if constexpr (batch_dataset<Dataset>) {
+        auto [images, labels] = dataset.get(idx);
+        out = Batch{transform(images, gen), labels};
+      } else {
+        // Samples, collated by the transform (Stack, PadSequences, yours).
+        std::vector<std::remove_cvref_t<decltype(dataset.get(std::size_t{}))>>
+            samples;
+        samples.reserve(idx.size());
+        for (std::size_t i : idx) samples.push_back(dataset.get(i));
+        out = transform(samples, gen);
+      }
 #ifdef DDPKIT_HAS_CUDA
       if (options.pin_memory() && torch::cuda::is_available()) {
         out.data = out.data.pin_memory();

@@ -10,7 +10,7 @@
 // ```
 // struct PrintLoss {
 //   void on(const ddpkit::train::EpochEnd& e) {
-//     std::printf("epoch %d: %.4f\n", e.metrics.epoch, e.metrics.train_loss);
+//     std::printf("epoch %d: %.4f\n", e.metrics.epoch, e.metrics.train_loss());
 //   }
 // };
 // trainer.fit(train, val, train_tf, eval_tf, loader_opts, PrintLoss{});
@@ -42,6 +42,7 @@
 
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/metrics.hpp"
+#include "ddpkit/train/task.hpp"
 #include "ddpkit/train/tensorboard.hpp"
 
 namespace ddpkit::train {
@@ -61,12 +62,6 @@ class CheckpointWriter {
   ~CheckpointWriter() = default;
 };
 
-/// The validation number that ranks checkpoints for `keep_best`.
-enum class BestMetric {
-  val_acc,   ///< higher is better (default; early stopping always uses it)
-  val_loss,  ///< lower is better
-};
-
 /// Where a `fit` stands. Callbacks read it; `stop` and `stop_reason` are
 /// theirs to set.
 struct FitState {
@@ -82,12 +77,15 @@ struct FitState {
   double lr = 0;                          ///< this epoch's learning rate
   /// This epoch so far, this rank (rank 0 also holds the other ranks'
   /// batches from before a mid-epoch resume).
-  double loss_sum = 0, correct = 0, count = 0;
+  double loss_sum = 0, count = 0;
+  /// This epoch's task sums so far (`Task::sums`), like `loss_sum`.
+  std::vector<double> sums;
   double resumed_images = 0;  ///< of `count`, trained before the resume
   std::chrono::steady_clock::time_point epoch_start;
   std::vector<EpochMetrics> history;  ///< the finished epochs
-  double best = -1;                   ///< best val_acc so far (-1: none)
-  int best_epoch = 0;                 ///< its epoch (1-based; 0: none)
+  Monitor monitor;                    ///< what "best" means in this fit
+  double best = std::numeric_limits<double>::quiet_NaN();  ///< NaN: none
+  int best_epoch = 0;  ///< its epoch (1-based; 0: none)
   int bad_epochs = 0;                 ///< epochs since it
   bool stop = false;                  ///< no further epoch (set at `EpochEnd`)
   std::string stop_reason;            ///< said at `FitEnd` (early stop, signal)
@@ -177,8 +175,8 @@ void emit(const Event& event, Cs&... cs) {
 
 // --- Ready-made callbacks -------------------------------------------------
 
-/// Stops after `patience` epochs without a better validation accuracy
-/// (0: never).
+/// Stops after `patience` epochs without a better monitored metric
+/// (`FitState::monitor`; 0: never).
 class EarlyStopping {
  public:
   explicit EarlyStopping(int patience) : patience_(patience) {}
@@ -187,7 +185,8 @@ class EarlyStopping {
       e.state.stop = true;
       e.state.stop_reason =
           ddpkit::detail::cat("early stopping after epoch ", e.metrics.epoch,
-                              ": no better val_acc for ", patience_, " epochs");
+                              ": no better ", e.state.monitor.name, " for ", patience_,
+                              " epochs");
     }
   }
 
@@ -195,18 +194,15 @@ class EarlyStopping {
   int patience_;
 };
 
-/// The epochs (1-based) of the `k` best rows of `history` by `metric`,
+/// The epochs (1-based) of the `k` best rows of `history` by `monitor`,
 /// best first; ties go to the earlier epoch, NaN ranks last.
 inline std::vector<int> best_epochs(const std::vector<EpochMetrics>& history,
-                                    BestMetric metric, int k) {
-  auto score = [&](const EpochMetrics& m) {
-    const double v = metric == BestMetric::val_acc ? m.val_acc : -m.val_loss;
-    return std::isnan(v) ? -std::numeric_limits<double>::infinity() : v;
-  };
+                                    const Monitor& monitor, int k) {
   std::vector<const EpochMetrics*> rows;
   for (const auto& m : history) rows.push_back(&m);
-  std::stable_sort(rows.begin(), rows.end(),
-                   [&](auto* a, auto* b) { return score(*a) > score(*b); });
+  std::stable_sort(rows.begin(), rows.end(), [&](auto* a, auto* b) {
+    return monitor.better(a->value(monitor.name), b->value(monitor.name));
+  });
   std::vector<int> epochs;
   for (int i = 0; i < k && i < static_cast<int>(rows.size()); ++i) {
     epochs.push_back(rows[i]->epoch);
@@ -220,7 +216,6 @@ struct ModelCheckpointOptions {
   TORCH_ARG(bool, enabled) = true;
   /// See `TrainerOptions::keep_best`.
   TORCH_ARG(int, keep_best) = 1;
-  TORCH_ARG(BestMetric, best_metric) = BestMetric::val_acc;
   /// See `TrainerOptions::checkpoint_every_n_steps`.
   TORCH_ARG(std::int64_t, every_n_steps) = 0;
   /// See `TrainerOptions::weights_pattern`.
@@ -273,7 +268,7 @@ class ModelCheckpoint {
     if (k == 0 || s.history.empty()) return;
     const fs::path d = dir(s);
     // Ranked from the history alone, so a resumed run keeps the same set.
-    const auto top = best_epochs(s.history, o_.best_metric(), k);
+    const auto top = best_epochs(s.history, s.monitor, k);
     const int epoch = s.history.back().epoch;
     auto epoch_file = [&](int e) {
       return d / ("best-epoch-" + std::to_string(e) + ".pt");
@@ -319,8 +314,9 @@ class ModelCheckpoint {
 /// stopped.
 class ProgressDisplay {
  public:
-  explicit ProgressDisplay(bool enabled, ProgressOptions options = {})
-      : progress_(enabled, options) {}
+  explicit ProgressDisplay(bool enabled, ProgressOptions options = {},
+                           std::string unit = "img")
+      : progress_(enabled, options, std::move(unit)) {}
   void on(const EpochBegin& e) {
     progress_.begin_epoch(e.state.epoch + 1, e.state.epochs, e.state.steps);
   }
@@ -386,11 +382,13 @@ class TensorBoardLog {
     // After the checkpoint: a run killed in between lacks this epoch here
     // rather than logging it twice once resumed.
     const EpochMetrics& m = e.metrics;
+    // Task metrics as train/<m> and val/<m> (train_loss: train/loss).
+    for (const auto& [name, value] : m.task) {
+      std::string tag = name;
+      if (auto at = tag.find('_'); at != std::string::npos) tag[at] = '/';
+      tb_->add_scalar(tag, value, m.epoch);
+    }
     const std::pair<const char*, double> scalars[] = {
-        {"train/loss", m.train_loss},
-        {"train/acc", m.train_acc},
-        {"val/loss", m.val_loss},
-        {"val/acc", m.val_acc},
         {"lr", m.lr},
         {"train/images_per_second", m.train_images_per_second},
         {"time/train_seconds", m.train_seconds},

@@ -29,6 +29,7 @@
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/loaded_tensors.hpp"
 #include "ddpkit/detail/pickle_reader.hpp"
+#include "ddpkit/detail/strings.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/metrics.hpp"
 
@@ -39,9 +40,10 @@ using ddpkit::detail::before_rename_hook;
 
 /// The "format" entry of every checkpoint ddpkit writes, and its version.
 inline constexpr const char* kCheckpointFormat = "ddpkit.checkpoint";
-/// Version 3 widened the history table (train/val seconds split); version
-/// 2 checkpoints still load.
-inline constexpr std::int64_t kCheckpointVersion = 3;
+/// Version 4 names the task's history columns and the monitored metric;
+/// version 3 widened the history table (train/val seconds split); versions
+/// 2 and 3 still load.
+inline constexpr std::int64_t kCheckpointVersion = 4;
 
 /// A checkpoint's contents: named values (tensors, numbers, strings, and
 /// dicts or lists of them), in the order they were written.
@@ -313,59 +315,190 @@ inline int read_checkpoint_int(const Checkpoint& archive,
   return static_cast<int>(v);
 }
 
-/// What `Trainer` resumes from besides the model and the optimizer.
-struct ResumeState {
+/// Every key of a Trainer's checkpoint, written and read here alone: the
+/// format, the model, the optimizer, where the run stands, the history, the
+/// CPU generators, and (from the Trainer) each stateful callback's state
+/// under "callbacks/<name>".
+///
+/// Keys: format, format_version, torch_version, model, optimizer,
+/// epochs_done, best, best_epoch, bad_epochs, monitor, monitor_mode,
+/// world_size, seed, loss_scale, global_step, history, history_columns,
+/// rng_cpu, epoch_batches_done, and in mid-epoch checkpoints epoch_sums
+/// ([loss sum, samples, task sums...] over all ranks) and rng_cpu_ranks.
+/// Format 3 checkpoints (before tasks) have best_val_acc for best, no
+/// monitor (val_acc) and no history_columns (Classification's), and
+/// epoch_sums [loss sum, correct, samples]; they still load.
+struct TrainingState {
   int epochs_done = 0;
-  double best_val_acc = 0;
+  double best = std::numeric_limits<double>::quiet_NaN();  ///< NaN: none
   int best_epoch = 0;
   int bad_epochs = 0;
+  std::string monitor = "val_acc";  ///< the metric `best` is of
+  std::string monitor_mode = "max";
+  std::int64_t world_size = 1;
+  std::int64_t seed = 0;
   double loss_scale = 1;
   /// Batches trained so far (TensorBoard's step axis); 0 when the
   /// checkpoint predates it (format 2).
   std::int64_t global_step = 0;
   std::vector<EpochMetrics> history;
-};
+  /// The task's history columns (train_<m>..., val_<m>...).
+  std::vector<std::string> columns;
+  torch::Tensor rng_cpu;  ///< the writer's CPU generator
+  /// Batches done in the unfinished epoch `epochs_done` (0: at an epoch's
+  /// end), and what resuming there needs.
+  std::int64_t epoch_batches_done = 0;
+  torch::Tensor epoch_sums;  ///< [loss sum, samples, task sums...]
+  torch::Tensor rng_ranks;   ///< [world, state]: every rank's generator
 
-/// Reads `ResumeState` from a checkpoint `Trainer` wrote; a UsageError
-/// naming the file and key for anything missing or malformed.
-inline ResumeState read_resume_state(const Checkpoint& archive,
-                                     const std::filesystem::path& file) {
-  constexpr int kMax = std::numeric_limits<int>::max();
-  ResumeState r;
-  r.epochs_done = read_checkpoint_int(archive, "epochs_done", file, 0, kMax);
-  r.best_val_acc = read_checkpoint_scalar(archive, "best_val_acc", file);
-  r.best_epoch = read_checkpoint_int(archive, "best_epoch", file, -1, kMax);
-  r.bad_epochs = read_checkpoint_int(archive, "bad_epochs", file, 0, kMax);
-  r.loss_scale = read_checkpoint_scalar(archive, "loss_scale", file);
-  c10::IValue step;
-  if (archive.try_read("global_step", step)) {
-    r.global_step = read_checkpoint_int(archive, "global_step", file, 0,
-                                        std::numeric_limits<int>::max());
-  }
-  c10::IValue hist;
-  if (archive.try_read("history", hist)) {
-    const bool ok = hist.isTensor() && hist.toTensor().dim() == 2 &&
-                    (hist.toTensor().size(1) == EpochMetrics::kFields ||
-                     hist.toTensor().size(1) == EpochMetrics::kFieldsV2) &&
-                    hist.toTensor().is_floating_point();
-    if (!ok) {
-      throw UsageError(ddpkit::detail::cat(
-          "checkpoint ", file.string(), ": 'history' is not an N x ",
-          EpochMetrics::kFields, " (or, from format version 2, N x ",
-          EpochMetrics::kFieldsV2, ") table of numbers"));
+  void save(Checkpoint& archive, const torch::nn::Module& model,
+            const torch::optim::Optimizer& optimizer) const {
+    archive.write("format", std::string(kCheckpointFormat));
+    archive.write("format_version", kCheckpointVersion);
+    archive.write("torch_version", ddpkit::compat::torch_version());
+    archive.write("model", c10::IValue(nn::state_dict(model)));
+    archive.write_optimizer(optimizer);
+    archive.write("epochs_done", static_cast<std::int64_t>(epochs_done));
+    archive.write("best", best);
+    archive.write("best_epoch", static_cast<std::int64_t>(best_epoch));
+    archive.write("bad_epochs", static_cast<std::int64_t>(bad_epochs));
+    archive.write("monitor", monitor);
+    archive.write("monitor_mode", monitor_mode);
+    archive.write("world_size", world_size);
+    archive.write("seed", seed);
+    archive.write("loss_scale", loss_scale);
+    archive.write("global_step", global_step);
+    archive.write("epoch_batches_done", epoch_batches_done);
+    if (epoch_batches_done > 0) {
+      archive.write("epoch_sums", epoch_sums);
+      archive.write("rng_cpu_ranks", rng_ranks);
     }
-    auto h = hist.toTensor().to(torch::kFloat64).contiguous();
-    for (int64_t i = 0; i < h.size(0); ++i) {
-      const double epoch = h[i][0].item<double>();
-      if (!(epoch >= 0 && epoch <= kMax)) {
-        throw UsageError(ddpkit::detail::cat("checkpoint ", file.string(),
-                                             ": 'history' row ", i,
-                                             " has epoch ", epoch));
+    const auto width = static_cast<std::int64_t>(1 + columns.size()) +
+                       EpochMetrics::kTimingFields;
+    auto hist = torch::zeros({static_cast<std::int64_t>(history.size()), width},
+                             torch::kFloat64);
+    for (std::size_t i = 0; i < history.size(); ++i) {
+      hist[static_cast<std::int64_t>(i)] = history[i].to_tensor();
+    }
+    archive.write("history", hist);
+    archive.write("history_columns", ddpkit::detail::join(columns, ","));
+    archive.write("rng_cpu", rng_cpu);
+  }
+
+  /// Reads what `save` wrote (and format 2/3 checkpoints), for a task whose
+  /// history columns are `columns` and which keeps `num_sums` sums; a
+  /// UsageError naming the file and key for anything missing, malformed or
+  /// written by another task. The model and optimizer are loaded by
+  /// `load_module_checked` and `load_optimizer_checked`.
+  static TrainingState load(const Checkpoint& archive,
+                            const std::filesystem::path& file,
+                            const std::vector<std::string>& columns,
+                            std::size_t num_sums) {
+    using ddpkit::detail::cat;
+    constexpr int kMax = std::numeric_limits<int>::max();
+    TrainingState r;
+    r.columns = columns;
+    r.epochs_done = read_checkpoint_int(archive, "epochs_done", file, 0, kMax);
+    c10::IValue v;
+    const bool tasks = archive.try_read("best", v);  // format 4 on
+    r.best = read_checkpoint_scalar(archive, tasks ? "best" : "best_val_acc",
+                                    file);
+    r.best_epoch = read_checkpoint_int(archive, "best_epoch", file, -1, kMax);
+    r.bad_epochs = read_checkpoint_int(archive, "bad_epochs", file, 0, kMax);
+    if (tasks) {
+      r.monitor = read_string(archive, "monitor", file);
+      r.monitor_mode = read_string(archive, "monitor_mode", file);
+    } else if (r.best_epoch == 0) {
+      r.best = std::numeric_limits<double>::quiet_NaN();  // was -1: none
+    }
+    r.loss_scale = read_checkpoint_scalar(archive, "loss_scale", file);
+    if (archive.try_read("world_size", v) && v.isInt()) {
+      r.world_size = v.toInt();
+    }
+    if (archive.try_read("seed", v) && v.isInt()) r.seed = v.toInt();
+    if (archive.try_read("global_step", v)) {
+      r.global_step =
+          read_checkpoint_int(archive, "global_step", file, 0, kMax);
+    }
+    // The history's task columns: this task's, or the checkpoint was
+    // written for another task.
+    const std::string want = ddpkit::detail::join(columns, ",");
+    const std::string had =
+        archive.try_read("history_columns", v)
+            ? read_string(archive, "history_columns", file)
+            : std::string("train_loss,train_acc,val_loss,val_acc");
+    if (had != want) {
+      throw UsageError(cat("checkpoint ", file.string(),
+                           " was written for a task whose metrics are ", had,
+                           "; this run's task has ", want));
+    }
+    if (archive.try_read("history", v)) {
+      const auto n = static_cast<std::int64_t>(1 + columns.size());
+      const bool ok =
+          v.isTensor() && v.toTensor().dim() == 2 &&
+          (v.toTensor().size(1) == n + EpochMetrics::kTimingFields ||
+           v.toTensor().size(1) == n + EpochMetrics::kTimingFieldsV2) &&
+          v.toTensor().is_floating_point();
+      if (!ok) {
+        throw UsageError(cat("checkpoint ", file.string(),
+                             ": 'history' is not an N x ",
+                             n + EpochMetrics::kTimingFields,
+                             " (or, from format version 2, N x ",
+                             n + EpochMetrics::kTimingFieldsV2,
+                             ") table of numbers"));
       }
-      r.history.push_back(EpochMetrics::from_tensor(h[i]));
+      auto h = v.toTensor().to(torch::kFloat64).contiguous();
+      for (std::int64_t i = 0; i < h.size(0); ++i) {
+        const double epoch = h[i][0].item<double>();
+        if (!(epoch >= 0 && epoch <= kMax)) {
+          throw UsageError(cat("checkpoint ", file.string(), ": 'history' row ",
+                               i, " has epoch ", epoch));
+        }
+        r.history.push_back(EpochMetrics::from_tensor(h[i], columns));
+      }
     }
+    if (archive.try_read("rng_cpu", v) && v.isTensor()) {
+      r.rng_cpu = v.toTensor();
+    }
+    if (!archive.try_read("epoch_batches_done", v)) return r;  // format 2
+    r.epoch_batches_done =
+        read_checkpoint_int(archive, "epoch_batches_done", file, 0, kMax);
+    if (r.epoch_batches_done == 0) return r;
+    c10::IValue sums, rng;
+    const bool ok = archive.try_read("epoch_sums", sums) && sums.isTensor() &&
+                    archive.try_read("rng_cpu_ranks", rng) && rng.isTensor() &&
+                    rng.toTensor().dim() == 2 &&
+                    rng.toTensor().scalar_type() == torch::kUInt8;
+    const auto width = static_cast<std::int64_t>(2 + num_sums);
+    torch::Tensor t = ok ? sums.toTensor().to(torch::kFloat64).cpu().reshape(
+                               {-1})
+                         : torch::Tensor();
+    if (ok && !tasks && t.numel() == 3 && num_sums == 3) {
+      // Format 3: [loss sum, correct, samples] of Classification.
+      t = torch::stack({t[0], t[2], t[0], t[1], t[2]});
+    }
+    if (!ok || t.numel() != width) {
+      throw UsageError(cat("checkpoint ", file.string(), " stops after batch ",
+                           r.epoch_batches_done,
+                           " of an epoch but lacks 'epoch_sums' of ", width,
+                           " numbers or 'rng_cpu_ranks' (a damaged file?)"));
+    }
+    r.epoch_sums = t;
+    r.rng_ranks = rng.toTensor().cpu();
+    return r;
   }
-  return r;
-}
+
+ private:
+  static std::string read_string(const Checkpoint& archive,
+                                 const std::string& key,
+                                 const std::filesystem::path& file) {
+    c10::IValue v;
+    if (!archive.try_read(key, v) || !v.isString()) {
+      throw UsageError(ddpkit::detail::cat("checkpoint ", file.string(), ": '",
+                                           key, "' is missing or not text"));
+    }
+    return v.toStringRef();
+  }
+};
 
 }  // namespace ddpkit::train

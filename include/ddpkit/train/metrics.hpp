@@ -21,60 +21,102 @@
 #include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/json.hpp"
+#include "ddpkit/detail/strings.hpp"
 
 namespace ddpkit::train {
 
 /// One epoch's numbers, identical on every rank (times are rank 0's).
 ///
+/// `task` holds the task's metrics in column order, train_<m>... then
+/// val_<m>... (Classification: train_loss, train_acc, val_loss, val_acc).
 /// `train_seconds` runs from the epoch's start to the end of its last
 /// optimizer step (training metrics reduced across ranks), `val_seconds`
 /// covers the validation pass, `seconds` the whole epoch (both, plus
-/// checkpoints and files). `train_images_per_second` is training images
+/// checkpoints and files). `train_images_per_second` is training samples
 /// (all ranks) per training second: the figure other tools call training
 /// throughput; `epoch_images_per_second` divides by the whole epoch. An
-/// epoch resumed from a mid-epoch checkpoint counts only the images trained
-/// after it.
+/// epoch resumed from a mid-epoch checkpoint counts only the samples
+/// trained after it.
 /// Rows read from checkpoints written before these were split have NaN
 /// (`null` in JSON) for the train/val split.
 struct EpochMetrics {
   int epoch = 0;  ///< 1-based, as printed
-  double train_loss = 0, train_acc = 0, val_loss = 0, val_acc = 0, lr = 0,
-         seconds = 0, train_seconds = 0, val_seconds = 0,
+  std::vector<std::pair<std::string, double>> task;
+  double lr = 0, seconds = 0, train_seconds = 0, val_seconds = 0,
          train_images_per_second = 0, epoch_images_per_second = 0;
 
-  /// Columns of the checkpoint's history table, in this order.
-  static constexpr int kFields = 11;
-  /// The history table's width in checkpoints of format version 2 (epoch,
-  /// train_loss, train_acc, val_loss, val_acc, lr, seconds,
-  /// images_per_second over the whole epoch); still read.
-  static constexpr int kFieldsV2 = 8;
-  torch::Tensor to_tensor() const {
-    return torch::tensor(
-        {static_cast<double>(epoch), train_loss, train_acc, val_loss, val_acc,
-         lr, seconds, train_seconds, val_seconds, train_images_per_second,
-         epoch_images_per_second},
-        torch::kFloat64);
+  /// Columns after the task's: lr, seconds, train_seconds, val_seconds and
+  /// the two throughputs.
+  static constexpr int kTimingFields = 6;
+  /// The history table's timing columns in checkpoints of format version 2
+  /// (lr, seconds, images_per_second over the whole epoch); still read.
+  static constexpr int kTimingFieldsV2 = 3;
+
+  /// A task metric ("val_acc"), or one of the columns after them ("lr",
+  /// "seconds", ...); a UsageError naming the columns if there is none.
+  double value(std::string_view name) const {
+    for (const auto& [k, v] : task) {
+      if (k == name) return v;
+    }
+    const std::pair<std::string_view, double> rest[] = {
+        {"lr", lr},
+        {"seconds", seconds},
+        {"train_seconds", train_seconds},
+        {"val_seconds", val_seconds},
+        {"train_images_per_second", train_images_per_second},
+        {"epoch_images_per_second", epoch_images_per_second}};
+    for (const auto& [k, v] : rest) {
+      if (k == name) return v;
+    }
+    std::vector<std::string> names;
+    for (const auto& kv : task) names.push_back(kv.first);
+    throw UsageError(ddpkit::detail::cat("no metric '", name,
+                                         "' in an epoch's row; it has ",
+                                         ddpkit::detail::join(names, ", ")));
   }
-  /// A row of `kFields` (or, from older checkpoints, `kFieldsV2`) numbers.
-  static EpochMetrics from_tensor(const torch::Tensor& t) {
+  bool has(std::string_view name) const {
+    for (const auto& kv : task) {
+      if (kv.first == name) return true;
+    }
+    return false;
+  }
+  double train_loss() const {
+    return value("train_loss");
+  }
+  double val_loss() const {
+    return value("val_loss");
+  }
+
+  torch::Tensor to_tensor() const {
+    std::vector<double> row{static_cast<double>(epoch)};
+    for (const auto& kv : task) row.push_back(kv.second);
+    row.insert(row.end(),
+               {lr, seconds, train_seconds, val_seconds,
+                train_images_per_second, epoch_images_per_second});
+    return torch::tensor(row, torch::kFloat64);
+  }
+  /// A row of 1 + names + `kTimingFields` numbers (or, from checkpoints of
+  /// format version 2, 1 + names + `kTimingFieldsV2`), the task's columns
+  /// named by `names`.
+  static EpochMetrics from_tensor(const torch::Tensor& t,
+                                  const std::vector<std::string>& names) {
     auto a = t.accessor<double, 1>();
     EpochMetrics m;
     m.epoch = static_cast<int>(a[0]);
-    m.train_loss = a[1];
-    m.train_acc = a[2];
-    m.val_loss = a[3];
-    m.val_acc = a[4];
-    m.lr = a[5];
-    m.seconds = a[6];
-    if (t.size(0) == kFieldsV2) {
+    std::int64_t i = 1;
+    for (const auto& n : names) m.task.emplace_back(n, a[i++]);
+    m.lr = a[i++];
+    m.seconds = a[i++];
+    if (t.size(0) == 1 + static_cast<std::int64_t>(names.size()) +
+                         kTimingFieldsV2) {
       const double nan = std::numeric_limits<double>::quiet_NaN();
       m.train_seconds = m.val_seconds = m.train_images_per_second = nan;
-      m.epoch_images_per_second = a[7];
+      m.epoch_images_per_second = a[i];
     } else {
-      m.train_seconds = a[7];
-      m.val_seconds = a[8];
-      m.train_images_per_second = a[9];
-      m.epoch_images_per_second = a[10];
+      m.train_seconds = a[i++];
+      m.val_seconds = a[i++];
+      m.train_images_per_second = a[i++];
+      m.epoch_images_per_second = a[i];
     }
     return m;
   }
@@ -84,39 +126,32 @@ namespace detail {
 using ddpkit::detail::num;
 }  // namespace detail
 
-/// The metrics files' columns, in order.
-inline constexpr const char* kMetricsColumns[] = {"epoch",
-                                                  "train_loss",
-                                                  "train_acc",
-                                                  "val_loss",
-                                                  "val_acc",
-                                                  "lr",
-                                                  "seconds",
-                                                  "train_seconds",
-                                                  "val_seconds",
-                                                  "train_images_per_second",
-                                                  "epoch_images_per_second"};
+/// The metrics files' columns for a row, in order: epoch, the task's, then
+/// the timings.
+inline std::vector<std::string> metrics_columns(const EpochMetrics& m) {
+  std::vector<std::string> c{"epoch"};
+  for (const auto& kv : m.task) c.push_back(kv.first);
+  c.insert(c.end(), {"lr", "seconds", "train_seconds", "val_seconds",
+                     "train_images_per_second", "epoch_images_per_second"});
+  return c;
+}
 
 namespace detail {
 inline std::vector<std::string> metric_values(const EpochMetrics& m) {
-  return {std::to_string(m.epoch),
-          num(m.train_loss),
-          num(m.train_acc),
-          num(m.val_loss),
-          num(m.val_acc),
-          num(m.lr),
-          num(m.seconds),
-          num(m.train_seconds),
-          num(m.val_seconds),
-          num(m.train_images_per_second),
-          num(m.epoch_images_per_second)};
+  std::vector<std::string> v{std::to_string(m.epoch)};
+  for (const auto& kv : m.task) v.push_back(num(kv.second));
+  v.insert(v.end(), {num(m.lr), num(m.seconds), num(m.train_seconds),
+                     num(m.val_seconds), num(m.train_images_per_second),
+                     num(m.epoch_images_per_second)});
+  return v;
 }
 }  // namespace detail
 
 inline std::string to_json(const EpochMetrics& m) {
   const auto v = detail::metric_values(m);
+  const auto c = metrics_columns(m);
   ddpkit::detail::JsonObject j;
-  for (std::size_t i = 0; i < v.size(); ++i) j.raw(kMetricsColumns[i], v[i]);
+  for (std::size_t i = 0; i < v.size(); ++i) j.raw(c[i], v[i]);
   return j.compact();
 }
 
@@ -124,9 +159,7 @@ inline std::string to_json(const EpochMetrics& m) {
 inline void write_metrics_files(const std::filesystem::path& out,
                                 const std::vector<EpochMetrics>& history) {
   std::string jsonl, csv;
-  for (const char* c : kMetricsColumns) {
-    csv += (csv.empty() ? "" : ",") + std::string(c);
-  }
+  if (!history.empty()) csv = ddpkit::detail::join(metrics_columns(history[0]), ",");
   csv += "\n";
   for (const auto& m : history) {
     jsonl += to_json(m) + "\n";
@@ -158,10 +191,13 @@ struct ProgressOptions {
 /// per epoch.
 class Progress {
  public:
-  explicit Progress(bool enabled, ProgressOptions options = {})
+  /// `unit`: what the throughput counts ("img/s"; the task's unit).
+  explicit Progress(bool enabled, ProgressOptions options = {},
+                    std::string unit = "img")
       : enabled_(enabled),
         tty_(enabled && ::isatty(STDOUT_FILENO)),
-        options_(options) {}
+        options_(options),
+        unit_(std::move(unit)) {}
 
   void begin_epoch(int epoch, int epochs, std::size_t steps) {
     epoch_ = epoch;
@@ -182,13 +218,14 @@ class Progress {
       const int width = 24;
       int filled = steps_ ? static_cast<int>(width * done / steps_) : width;
       std::printf(
-          "\repoch %d/%d [%s%s] %zu/%zu loss %.4f %.0f img/s ETA %.0fs ",
+          "\repoch %d/%d [%s%s] %zu/%zu loss %.4f %.0f %s/s ETA %.0fs ",
           epoch_, epochs_, std::string(filled, '#').c_str(),
           std::string(width - filled, '.').c_str(), done, steps_, loss,
-          images_per_second, eta);
+          images_per_second, unit_.c_str(), eta);
     } else {
-      std::printf("epoch %d/%d step %zu/%zu loss %.4f %.0f img/s ETA %.0fs\n",
-                  epoch_, epochs_, done, steps_, loss, images_per_second, eta);
+      std::printf("epoch %d/%d step %zu/%zu loss %.4f %.0f %s/s ETA %.0fs\n",
+                  epoch_, epochs_, done, steps_, loss, images_per_second,
+                  unit_.c_str(), eta);
     }
     std::fflush(stdout);
   }
@@ -197,12 +234,16 @@ class Progress {
     if (!enabled_) return;
     if (tty_) std::printf("\r\033[K");
     drawn_ = false;
+    std::string line = ddpkit::detail::cat("epoch ", m.epoch, "/", epochs_);
+    char buf[64];
+    for (const auto& [name, v] : m.task) {
+      std::snprintf(buf, sizeof buf, "  %s %.4f", name.c_str(), v);
+      line += buf;
+    }
     std::printf(
-        "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc "
-        "%.4f  lr %.3g  %.1fs (train %.1fs, val %.1fs)  %.0f train img/s\n",
-        m.epoch, epochs_, m.train_loss, m.train_acc, m.val_loss, m.val_acc,
-        m.lr, m.seconds, m.train_seconds, m.val_seconds,
-        m.train_images_per_second);
+        "%s  lr %.3g  %.1fs (train %.1fs, val %.1fs)  %.0f train %s/s\n",
+        line.c_str(), m.lr, m.seconds, m.train_seconds, m.val_seconds,
+        m.train_images_per_second, unit_.c_str());
     std::fflush(stdout);
   }
 
@@ -238,6 +279,7 @@ class Progress {
 
   bool enabled_, tty_;
   ProgressOptions options_;
+  std::string unit_;
   bool drawn_ = false;  ///< a bar is on the current line
   int epoch_ = 0, epochs_ = 0;
   std::size_t steps_ = 0;

@@ -6,7 +6,10 @@
 // user's own) are callbacks (callbacks.hpp).
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -39,6 +42,7 @@
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"
 #include "ddpkit/train/signals.hpp"
+#include "ddpkit/train/task.hpp"
 #include "ddpkit/train/tensorboard.hpp"
 #include "ddpkit/version.hpp"
 
@@ -67,7 +71,7 @@ struct TrainerOptions {
   TORCH_ARG(double, lr) = 1e-3;
   TORCH_ARG(ScheduleOptions, schedule) = {};
   /// Early stopping: stop after this many epochs without a better
-  /// validation accuracy (0: never).
+  /// monitored metric (0: never).
   TORCH_ARG(int, patience) = 0;
   /// Where rank 0 writes metrics, checkpoints and the summary.
   TORCH_ARG(std::string, out_dir) = "runs/ddpkit";
@@ -84,7 +88,7 @@ struct TrainerOptions {
   TORCH_ARG(std::uint64_t, seed) = 42;
   /// Write checkpoints/last.pt every epoch and best.pt on improvement.
   TORCH_ARG(bool, checkpoints) = true;
-  /// Keep the best this many epochs' checkpoints by `best_metric`:
+  /// Keep the best this many epochs' checkpoints by the monitored metric:
   /// checkpoints/best.pt is always the best one; with k > 1 the k best are
   /// also kept as checkpoints/best-epoch-<E>.pt (best.pt a hard link to the
   /// first), files that drop out of the k best removed. Ties go to the
@@ -107,7 +111,14 @@ struct TrainerOptions {
   /// ends the process at once. With `uneven_inputs(join)` the ranks stop
   /// at the epoch's end. false: the signals keep their usual effect.
   TORCH_ARG(bool, checkpoint_on_signal) = true;
-  TORCH_ARG(BestMetric, best_metric) = BestMetric::val_acc;
+  /// The metric that means "best" for early stopping, keep_best, best.pt
+  /// and summary.json: "val_<m>" or "train_<m>" for a metric m of the task
+  /// (metrics.jsonl's columns). "" : the task's own (Classification:
+  /// val_acc, Regression and LanguageModel: val_loss).
+  TORCH_ARG(std::string, monitor) = "";
+  /// "min" or "max"; "" : the task's when it is the task's metric, min for
+  /// a name ending in "_loss", else an error asking for it.
+  TORCH_ARG(std::string, monitor_mode) = "";
   /// Also write the model's state dict (Python-loadable) each epoch to this
   /// pattern under OUT, `{epoch}` replaced (flowers:
   /// "weights/model-{epoch}.pt").
@@ -158,33 +169,36 @@ struct TrainerOptions {
 /// The result of `fit`.
 struct FitResult {
   std::vector<EpochMetrics> history;
-  double best_val_acc = 0;
-  int best_epoch = 0;
+  Monitor monitor;          ///< what "best" means
+  double best_value = 0;    ///< the monitored metric's best value
+  int best_epoch = 0;       ///< its epoch (1-based; 0: none)
   int epochs_run = 0;
   bool stopped_early = false;
   double total_seconds = 0;
 };
 
-/// Validation loss and accuracy, the same on every rank.
+/// The task's metrics over a dataset, the same on every rank.
 struct EvalResult {
-  double loss = 0;
-  double accuracy = 0;
+  /// The task's metrics by name ("loss", "acc", ...), in its order.
+  std::vector<std::pair<std::string, double>> metrics;
+  double loss = 0;          ///< the first metric, the mean loss
   int64_t count = 0;        ///< samples evaluated, all ranks together
   int64_t local_count = 0;  ///< of those, the samples this rank evaluated
+
+  /// A metric by its task name ("acc"); a UsageError if the task has none.
+  double value(std::string_view name) const {
+    for (const auto& [k, v] : metrics) {
+      if (k == name) return v;
+    }
+    throw UsageError(ddpkit::detail::cat("no metric '", name,
+                                         "' in this task's evaluation"));
+  }
 };
 
 /// Makes the optimizer over the model's parameters (after they are on the
 /// device and, for DDP, broadcast from rank 0).
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
     std::vector<torch::Tensor>)>;
-
-/// The default loss: cross entropy on logits.
-struct CrossEntropy {
-  torch::Tensor operator()(const torch::Tensor& out,
-                           const torch::Tensor& target) const {
-    return torch::nn::functional::cross_entropy(out, target);
-  }
-};
 
 /// The device this rank should train on: its local GPU where CUDA is
 /// available, else the CPU.
@@ -213,26 +227,35 @@ inline torch::Device default_device(const dist::Group& g) {
 /// (SyncBN without several processes). A policy of your own whose engine
 /// lacks part of the contract fails `parallel_engine`, naming the piece.
 template <class Model, class Parallel, class Sampler, class BN,
-          class LRScaling = NoScaling, class Reduction = RankZeroEval>
+          class LRScaling = NoScaling, class Reduction = RankZeroEval,
+          class Task = Classification>
   requires trainable_model<Model> && parallel_policy<Parallel> &&
            parallel_engine<Parallel, Model, dist::Group> &&
            sampler_policy<Sampler> && bn_policy<BN> &&
            lr_scaling_policy<LRScaling> && reduction_policy<Reduction> &&
+           task_policy<Task> &&
            sampler_matches_parallel_policy<Parallel, Sampler> &&
            bn_matches_parallel_policy<Parallel, BN>
 class Trainer : private CheckpointWriter {
+  static_assert(Task::metrics.size() > 0 && Task::metrics[0] == "loss",
+                "a task's first metric is its mean loss, named \"loss\"");
+
  public:
   using model_type = Model;
   using parallel_type = Parallel;
   using sampler_type = Sampler;
+  using task_type = Task;
   using engine_type = typename Parallel::template engine<Model>;
+  static constexpr std::size_t num_sums = Task::num_sums;
 
   Trainer(Model model, OptimizerFactory make_optimizer, TrainerOptions options,
           dist::Group group = {},
           typename Parallel::options_type parallel_options = {},
-          std::optional<torch::Device> device = std::nullopt)
+          std::optional<torch::Device> device = std::nullopt, Task task = {})
       : group_(std::move(group)),
         options_(std::move(options)),
+        task_(std::move(task)),
+        monitor_(resolve_monitor(options_)),
         device_(device.value_or(default_device(group_))),
         engine_(prepare(std::move(model), group_), group_,
                 std::move(parallel_options), device_) {
@@ -317,13 +340,13 @@ class Trainer : private CheckpointWriter {
         ModelCheckpoint(ModelCheckpointOptions()
                             .enabled(options_.checkpoints())
                             .keep_best(options_.keep_best())
-                            .best_metric(options_.best_metric())
                             .every_n_steps(options_.checkpoint_every_n_steps())
                             .weights_pattern(options_.weights_pattern())),
         MetricsFiles{},
         TensorBoardLog(options_.tensorboard(), options_.log_every_n_steps(),
                        hparams_markdown(lo)),
-        ProgressDisplay(is_main() && options_.verbose(), options_.progress())};
+        ProgressDisplay(is_main() && options_.verbose(), options_.progress(),
+                        std::string(sample_unit<Task>()))};
     auto emit = [&](const auto& event) {
       std::apply(
           [&](auto&... b) { train::emit(event, early, callbacks..., b...); },
@@ -362,7 +385,27 @@ class Trainer : private CheckpointWriter {
     return finish_fit(s, fit_start);
   }
 
-  /// Loss and accuracy over `set`, computed as `Reduction` says and
+  /// `fit` for datasets whose `get(i)` returns one sample (`data::Example`,
+  /// a pair or a tuple of input and target tensors): each batch is the
+  /// samples stacked (`data::Stack`). For another collate step (padding,
+  /// say) pass it as both transforms of the five-argument `fit`.
+  template <class Dataset, class... Callbacks>
+    requires data::sample_dataset<Dataset> && callbacks<Callbacks...> &&
+             (state_complete<std::remove_cvref_t<Callbacks>> && ...)
+  FitResult fit(const Dataset& train, const Dataset& val,
+                data::LoaderOptions lo, Callbacks&&... callbacks) {
+    return fit(train, val, data::Stack{}, data::Stack{}, std::move(lo),
+               std::forward<Callbacks>(callbacks)...);
+  }
+
+  /// `evaluate` for a dataset of samples (see the three-argument `fit`).
+  template <class Dataset>
+    requires data::sample_dataset<Dataset>
+  EvalResult evaluate(const Dataset& set, data::LoaderOptions lo) {
+    return evaluate(set, data::Stack{}, std::move(lo));
+  }
+
+  /// The task's metrics over `set`, computed as `Reduction` says and
   /// identical on every rank.
   template <class Dataset, class EvalTransform>
   EvalResult evaluate(const Dataset& set, EvalTransform eval_transform,
@@ -378,15 +421,15 @@ class Trainer : private CheckpointWriter {
           n, {.rank = group_.rank(), .world_size = group_.size()},
           data::DistributedSamplingOptions().shuffle(false).evaluation(true));
       sums = eval_sums(set, eval_transform, lo, shard.indices());
-      local = static_cast<int64_t>(sums[2].template item<double>());
+      local = static_cast<int64_t>(sums[0].template item<double>());
       sums = sums.to(group_.device());
       dist::all_reduce(group_, sums);
     } else {
       data::SequentialSampling all(n);
       sums = (!distributed || is_main())
                  ? eval_sums(set, eval_transform, lo, all.indices())
-                 : torch::zeros({3}, torch::kFloat64);
-      local = static_cast<int64_t>(sums[2].template item<double>());
+                 : torch::zeros({1 + num_sums}, torch::kFloat64);
+      local = static_cast<int64_t>(sums[0].template item<double>());
       sums = sums.to(group_.device());
       // The other ranks wait for rank 0's evaluation through the store,
       // bounded by eval_timeout rather than the collective timeout.
@@ -398,14 +441,15 @@ class Trainer : private CheckpointWriter {
             "evaluation (TrainerOptions::eval_timeout)");
       }
     }
-    sums = sums.cpu();
+    sums = sums.cpu().contiguous();
     EvalResult r;
-    r.count = static_cast<int64_t>(sums[2].template item<double>());
+    r.count = static_cast<int64_t>(sums[0].template item<double>());
     r.local_count = local;
-    if (r.count > 0) {
-      r.loss = sums[0].template item<double>() / r.count;
-      r.accuracy = sums[1].template item<double>() / r.count;
+    const auto values = task_.finish(task_sums(sums.data_ptr<double>() + 1));
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      r.metrics.emplace_back(std::string(Task::metrics[i]), values[i]);
     }
+    r.loss = values[0];
     return r;
   }
 
@@ -449,13 +493,18 @@ class Trainer : private CheckpointWriter {
         .add("bn", std::string(BN::name))
         .add("lr_scaling", std::string(LRScaling::name))
         .add("evaluation", std::string(Reduction::name))
+        .add("task", std::string(Task::name))
         .add("epochs_run", r.epochs_run)
         .add("stopped_early", r.stopped_early)
+        .add("monitor", r.monitor.name)
+        .add("monitor_mode", std::string(r.monitor.goal_name()))
         .add("best_epoch", r.best_epoch)
-        .add("best_val_acc", r.best_val_acc)
-        .add("final_val_acc",
-             r.history.empty() ? 0.0 : r.history.back().val_acc);
-    if (test) j.add("test_acc", test->accuracy).add("test_loss", test->loss);
+        .add("best_" + r.monitor.name, r.best_value)
+        .add("final_" + r.monitor.name,
+             r.history.empty() ? 0.0 : r.history.back().value(r.monitor.name));
+    if (test) {
+      for (const auto& [name, value] : test->metrics) j.add("test_" + name, value);
+    }
     if constexpr (requires { engine_.comm_name(); }) {
       j.add("comm", engine_.comm_name())
           .add("gradient_bytes_per_step",
@@ -475,14 +524,7 @@ class Trainer : private CheckpointWriter {
              train_seconds > 0 ? images / train_seconds : 0.0)
         .add("epoch_images_per_second", seconds > 0 ? images / seconds : 0.0);
     if (options_.accumulate() > 1) j.add("accumulate", options_.accumulate());
-    if (options_.keep_best() != 1 ||
-        options_.best_metric() != BestMetric::val_acc) {
-      j.add("keep_best", options_.keep_best())
-          .add("best_metric",
-               std::string(options_.best_metric() == BestMetric::val_acc
-                               ? "val_acc"
-                               : "val_loss"));
-    }
+    if (options_.keep_best() != 1) j.add("keep_best", options_.keep_best());
     if (options_.clip().max_norm() > 0) {
       j.add("clip_grad_norm", options_.clip().max_norm())
           .add("clip_norm_type", options_.clip().norm_type());
@@ -581,6 +623,7 @@ class Trainer : private CheckpointWriter {
     s.epochs = options_.epochs();
     s.module = &parallel::as_module(engine_.module());
     s.checkpoints = this;
+    s.monitor = monitor_;
     if (is_main()) {
       std::error_code ec;
       fs::create_directories(s.out, ec);
@@ -645,19 +688,22 @@ class Trainer : private CheckpointWriter {
     }
     s.steps = batches.size();
     s.step = 0;
-    s.loss_sum = s.correct = s.count = s.resumed_images = 0;
+    s.loss_sum = s.count = s.resumed_images = 0;
+    s.sums.assign(num_sums, 0.0);
     if (first > 0) {
       // A run resumed from a mid-epoch checkpoint: every rank's generator
       // as it was there, and the metrics so far (all ranks' sums, counted
       // once: on rank 0).
       resume_rng_ = mid_.rng[rank()].contiguous().clone();
+      const torch::Tensor m = mid_.sums.contiguous();
+      const double* v = m.data_ptr<double>();
       if (is_main()) {
-        s.loss_sum = mid_.sums[0].template item<double>();
-        s.correct = mid_.sums[1].template item<double>();
-        s.count = mid_.sums[2].template item<double>();
+        s.loss_sum = v[0];
+        s.count = v[1];
+        s.sums.assign(v + 2, v + 2 + num_sums);
       }
       s.step = first;
-      s.resumed_images = mid_.sums[2].template item<double>();
+      s.resumed_images = v[1];
       mid_ = {};
     }
     return batches;
@@ -706,7 +752,8 @@ class Trainer : private CheckpointWriter {
     const bool amp = options_.mixed_precision() && device_.is_cuda();
     const double scale = amp ? scaler_.scale() : 1.0;
     struct Done {
-      double loss, n, correct;
+      double loss, n;
+      std::array<double, num_sums> sums;
     };
     std::vector<Done> done;
     for (std::size_t i = 0; i < step.size(); ++i) {
@@ -716,18 +763,21 @@ class Trainer : private CheckpointWriter {
       const double weight = step.size() == 1 ? 1.0 : n / step_samples;
       // Loss as backpropagated: weighted, and scaled under AMP.
       const double factor = weight * scale;
+      auto loss_fn = [&](const torch::Tensor& a, const torch::Tensor& b) {
+        return task_.loss(a, b);
+      };
       auto run = [&] {
         if (amp) {
           ddpkit::compat::AutocastGuard autocast(true, torch::kHalf);
           return engine_.forward_backward(
               x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
-                return loss_fn_(a.to(torch::kFloat32), b) * factor;
+                return task_.loss(a.to(torch::kFloat32), b) * factor;
               });
         }
-        if (factor == 1.0) return engine_.forward_backward(x, y, loss_fn_);
+        if (factor == 1.0) return engine_.forward_backward(x, y, loss_fn);
         return engine_.forward_backward(
             x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
-              return loss_fn_(a, b) * factor;
+              return task_.loss(a, b) * factor;
             });
       };
       parallel::StepOutput o;
@@ -740,8 +790,7 @@ class Trainer : private CheckpointWriter {
       const double loss = factor == 1.0
                               ? o.loss.template item<double>()
                               : o.loss.template item<double>() / factor;
-      done.push_back(
-          {loss, n, o.output.argmax(1).eq(y).sum().template item<double>()});
+      done.push_back({loss, n, task_.sums(o.output, y, loss)});
     }
     // The gradients are averaged now; unscale (AMP: one fused pass, one
     // host sync, and the step is skipped everywhere if any rank
@@ -754,8 +803,8 @@ class Trainer : private CheckpointWriter {
     }
     for (const Done& d : done) {  // after the step, batch by batch
       s.loss_sum += d.loss * d.n;
-      s.correct += d.correct;
       s.count += d.n;
+      for (std::size_t k = 0; k < num_sums; ++k) s.sums[k] += d.sums[k];
       ++s.step;
       ++s.global_step;
       emit(BatchEnd{s, d.loss});
@@ -769,20 +818,22 @@ class Trainer : private CheckpointWriter {
                          EvalTransform& eval_transform,
                          const data::LoaderOptions& lo) {
     // Training metrics over every rank's samples.
-    auto t = torch::tensor({s.loss_sum, s.correct, s.count}, torch::kFloat64)
-                 .to(group_.device());
+    auto t = epoch_sums(s).to(group_.device());
     if (multi()) dist::all_reduce(group_, t);
-    t = t.cpu();
+    t = t.cpu().contiguous();
     const auto t_train = clock::now();
     auto ev = evaluate(val, eval_transform, lo);
     const auto t_val = clock::now();
     EpochMetrics m;
     m.epoch = s.epoch + 1;
-    const double total = t[2].template item<double>();
-    m.train_loss = total > 0 ? t[0].template item<double>() / total : 0;
-    m.train_acc = total > 0 ? t[1].template item<double>() / total : 0;
-    m.val_loss = ev.loss;
-    m.val_acc = ev.accuracy;
+    const double total = t[1].template item<double>();
+    const auto train = task_.finish(task_sums(t.data_ptr<double>() + 2));
+    for (std::size_t i = 0; i < train.size(); ++i) {
+      m.task.emplace_back("train_" + std::string(Task::metrics[i]), train[i]);
+    }
+    for (const auto& [name, value] : ev.metrics) {
+      m.task.emplace_back("val_" + name, value);
+    }
     m.lr = s.lr;
     const auto since = [](auto a, auto b) {
       return std::chrono::duration<double>(b - a).count();
@@ -810,8 +861,9 @@ class Trainer : private CheckpointWriter {
     s.history.push_back(m);
     // Decisions use only values every rank holds, so every rank decides
     // the same.
-    if (m.val_acc > s.best) {
-      s.best = m.val_acc;
+    const double v = m.value(s.monitor.name);
+    if (s.best_epoch == 0 ? !std::isnan(v) : s.monitor.better(v, s.best)) {
+      s.best = v;
       s.best_epoch = m.epoch;
       s.bad_epochs = 0;
     } else {
@@ -888,7 +940,8 @@ class Trainer : private CheckpointWriter {
 
   FitResult finish_fit(FitState& s, clock::time_point fit_start) {
     FitResult result;
-    result.best_val_acc = std::max(s.best, 0.0);
+    result.monitor = s.monitor;
+    result.best_value = s.best_epoch > 0 ? s.best : 0.0;
     result.best_epoch = s.best_epoch;
     result.stopped_early = s.stop;
     result.epochs_run = static_cast<int>(s.history.size());
@@ -907,9 +960,7 @@ class Trainer : private CheckpointWriter {
     // Every rank takes part: the metrics so far over all ranks, and every
     // rank's generator, which only rank 0 writes.
     const FitState& s = *fit_;
-    torch::Tensor all =
-        torch::tensor({s.loss_sum, s.correct, s.count}, torch::kFloat64)
-            .to(group_.device());
+    torch::Tensor all = epoch_sums(s).to(group_.device());
     if (multi()) dist::all_reduce(group_, all);
     auto rng = at::detail::getDefaultCPUGenerator().get_state();
     torch::Tensor states = rng.unsqueeze(0);
@@ -927,9 +978,9 @@ class Trainer : private CheckpointWriter {
   torch::Tensor eval_sums(const Dataset& set, EvalTransform& tf,
                           const data::LoaderOptions& lo,
                           const std::vector<std::size_t>& indices) {
-    // [loss sum, correct, count] in double, so sums are exact enough to be
+    // [samples, task sums...] in double, so sums are exact enough to be
     // identical whichever rank computed them.
-    auto sums = torch::zeros({3}, torch::kFloat64);
+    auto sums = torch::zeros({1 + num_sums}, torch::kFloat64);
     if (indices.empty()) return sums;
     torch::NoGradGuard no_grad;
     torch::nn::Module& module = parallel::as_module(engine_.module());
@@ -937,58 +988,57 @@ class Trainer : private CheckpointWriter {
     module.eval();
     data::Loader loader(set, tf, lo);
     auto epoch = loader.epoch(indices, 0);
+    std::array<double, 1 + num_sums> acc{};
     while (auto batch = epoch.next()) {
       torch::Tensor x = batch->data.to(device_);
       torch::Tensor y = batch->target.to(device_);
       torch::Tensor out = engine_.forward(x);
-      torch::Tensor loss = torch::nn::functional::cross_entropy(
-          out, y,
-          torch::nn::functional::CrossEntropyFuncOptions().reduction(
-              torch::kSum));
-      sums[0] += loss.template item<double>();
-      sums[1] += out.argmax(1).eq(y).sum().template item<double>();
-      sums[2] += static_cast<double>(y.size(0));
+      const auto b = train::evaluation_sums(task_, out, y);
+      acc[0] += static_cast<double>(y.size(0));
+      for (std::size_t i = 0; i < num_sums; ++i) acc[1 + i] += b[i];
     }
     module.train(was_training);
-    return sums;
+    return torch::tensor(std::vector<double>(acc.begin(), acc.end()),
+                         torch::kFloat64);
+  }
+
+  /// `num_sums` doubles as the task's sums.
+  static std::array<double, num_sums> task_sums(const double* p) {
+    std::array<double, num_sums> a{};
+    for (std::size_t i = 0; i < num_sums; ++i) a[i] = p[i];
+    return a;
+  }
+
+  /// This rank's epoch so far: [loss sum, samples, task sums...].
+  static torch::Tensor epoch_sums(const FitState& s) {
+    std::vector<double> v{s.loss_sum, s.count};
+    v.insert(v.end(), s.sums.begin(), s.sums.end());
+    return torch::tensor(v, torch::kFloat64);
   }
 
   void save_checkpoint(const std::filesystem::path& path, int epochs_done) {
-    // The one place a checkpoint is made: every component's state, one
-    // versioned dictionary (read back in try_resume).
+    // The one place a checkpoint is made: TrainingState holds every key
+    // (train/checkpoint.hpp); the callbacks' states are added by name.
     const FitState& s = *fit_;
+    TrainingState t;
+    t.epochs_done = epochs_done;
+    t.best = s.best;
+    t.best_epoch = s.best_epoch;
+    t.bad_epochs = s.bad_epochs;
+    t.monitor = s.monitor.name;
+    t.monitor_mode = std::string(s.monitor.goal_name());
+    t.world_size = world();
+    t.seed = static_cast<int64_t>(options_.seed());
+    t.loss_scale = scaler_.scale();
+    t.global_step = s.global_step;
+    t.history = s.history;
+    t.columns = metric_columns<Task>();
+    t.rng_cpu = at::detail::getDefaultCPUGenerator().get_state();
+    t.epoch_batches_done = mid_.batches_done;
+    t.epoch_sums = mid_.sums;
+    t.rng_ranks = mid_.rng;
     Checkpoint archive;
-    archive.write("format", std::string(kCheckpointFormat));
-    archive.write("format_version", kCheckpointVersion);
-    archive.write("torch_version", ddpkit::compat::torch_version());
-    archive.write(
-        "model",
-        c10::IValue(nn::state_dict(parallel::as_module(engine_.module()))));
-    archive.write_optimizer(*optimizer_);
-    archive.write("epochs_done", static_cast<int64_t>(epochs_done));
-    archive.write("best_val_acc", s.best);
-    archive.write("best_epoch", static_cast<int64_t>(s.best_epoch));
-    archive.write("bad_epochs", static_cast<int64_t>(s.bad_epochs));
-    archive.write("sampler_epoch", static_cast<int64_t>(epochs_done));
-    archive.write("world_size", static_cast<int64_t>(world()));
-    archive.write("seed", static_cast<int64_t>(options_.seed()));
-    archive.write("loss_scale", scaler_.scale());
-    archive.write("global_step", s.global_step);
-    // Batches done in the unfinished epoch `epochs_done` (0: at an epoch's
-    // end), and what resuming there needs.
-    archive.write("epoch_batches_done", mid_.batches_done);
-    if (mid_.batches_done > 0) {
-      archive.write("epoch_sums", mid_.sums);
-      archive.write("rng_cpu_ranks", mid_.rng);
-    }
-    auto hist = torch::zeros(
-        {static_cast<int64_t>(s.history.size()), EpochMetrics::kFields},
-        torch::kFloat64);
-    for (std::size_t i = 0; i < s.history.size(); ++i) {
-      hist[static_cast<int64_t>(i)] = s.history[i].to_tensor();
-    }
-    archive.write("history", hist);
-    archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
+    t.save(archive, parallel::as_module(engine_.module()), *optimizer_);
     for (const auto& c : callback_states_) archive.write(c.key, c.save());
     atomic_save(archive, path);
   }
@@ -1042,70 +1092,79 @@ class Trainer : private CheckpointWriter {
     load_module_checked(parallel::as_module(engine_.module()), archive, "model",
                         path);
     load_optimizer_checked(*optimizer_, archive, path);
-    const auto state = read_resume_state(archive, path);
+    const auto state =
+        TrainingState::load(archive, path, metric_columns<Task>(), num_sums);
     const int done = state.epochs_done;
-    s.best = state.best_val_acc;
-    s.best_epoch = state.best_epoch;
-    s.bad_epochs = state.bad_epochs;
+    s.history = state.history;
+    if (state.monitor == s.monitor.name &&
+        state.monitor_mode == s.monitor.goal_name()) {
+      s.best = state.best;
+      s.best_epoch = state.best_epoch;
+      s.bad_epochs = state.bad_epochs;
+    } else {
+      // Another monitor than the checkpoint's: its best, from the history.
+      rank_history(s);
+      if (is_main() && options_.verbose()) {
+        std::printf(
+            "resume: the checkpoint monitored %s (%s), this run %s (%s); "
+            "best epoch recomputed from the history: %d\n",
+            state.monitor.c_str(), state.monitor_mode.c_str(),
+            s.monitor.name.c_str(), std::string(s.monitor.goal_name()).c_str(),
+            s.best_epoch);
+      }
+    }
     scaler_.set_scale(state.loss_scale);
     s.global_step = state.global_step;
-    s.history = state.history;
-    read_mid_epoch(archive, path);
+    read_mid_epoch(state, path);
     for (auto& c : callback_states_) {
       c10::IValue v;
       if (archive.try_read(c.key, v)) c.load(v);
     }
     if (is_main() && options_.verbose()) {
-      std::printf("resumed from %s after epoch %d (best val_acc %.4f)\n",
-                  path.c_str(), done, s.best);
+      std::printf("resumed from %s after epoch %d (best %s %.4f)\n",
+                  path.c_str(), done, s.monitor.name.c_str(),
+                  s.best_epoch > 0 ? s.best : 0.0);
     }
     return done;
   }
 
-  void read_mid_epoch(const Checkpoint& archive,
+  /// Best value, its epoch and the epochs since, from the history alone.
+  static void rank_history(FitState& s) {
+    s.best = std::numeric_limits<double>::quiet_NaN();
+    s.best_epoch = s.bad_epochs = 0;
+    for (const auto& m : s.history) {
+      const double v = m.value(s.monitor.name);
+      if (s.best_epoch == 0 ? !std::isnan(v) : s.monitor.better(v, s.best)) {
+        s.best = v;
+        s.best_epoch = m.epoch;
+        s.bad_epochs = 0;
+      } else {
+        ++s.bad_epochs;
+      }
+    }
+  }
+
+  void read_mid_epoch(const TrainingState& state,
                       const std::filesystem::path& path) {
     using ddpkit::detail::cat;
     mid_ = {};
-    c10::IValue v;
-    if (!archive.try_read("epoch_batches_done", v)) return;  // format 2
-    const int done = read_checkpoint_int(archive, "epoch_batches_done", path, 0,
-                                         std::numeric_limits<int>::max());
-    if (done == 0) return;
+    if (state.epoch_batches_done == 0) return;
     const std::int64_t world = this->world();
-    c10::IValue sums, rng;
-    const bool ok = archive.try_read("epoch_sums", sums) && sums.isTensor() &&
-                    sums.toTensor().numel() == 3 &&
-                    archive.try_read("rng_cpu_ranks", rng) && rng.isTensor() &&
-                    rng.toTensor().dim() == 2 &&
-                    rng.toTensor().scalar_type() == torch::kUInt8;
-    if (!ok) {
-      throw UsageError(cat("checkpoint ", path.string(), " stops after batch ",
-                           done,
-                           " of an epoch but lacks 'epoch_sums' or "
-                           "'rng_cpu_ranks' (a damaged file?)"));
-    }
-    if (rng.toTensor().size(0) != world) {
+    if (state.rng_ranks.size(0) != world) {
       throw UsageError(
           cat("checkpoint ", path.string(),
-              " was written in the middle of an epoch "
-              "by ",
-              rng.toTensor().size(0),
-              " ranks; it can only be resumed by as "
-              "many (this run has ",
+              " was written in the middle of an epoch by ",
+              state.rng_ranks.size(0),
+              " ranks; it can only be resumed by as many (this run has ",
               world,
-              "), since each rank's share of the epoch "
-              "depends on it. Resume from an epoch's end, or with ",
-              rng.toTensor().size(0), " ranks"));
+              "), since each rank's share of the epoch depends on it. Resume "
+              "from an epoch's end, or with ",
+              state.rng_ranks.size(0), " ranks"));
     }
-    mid_ = {done, sums.toTensor().to(torch::kFloat64).cpu(),
-            rng.toTensor().cpu()};
+    mid_ = {state.epoch_batches_done, state.epoch_sums, state.rng_ranks};
     if (is_main() && options_.verbose()) {
-      std::printf("continuing epoch %lld at batch %d\n",
-                  static_cast<long long>(
-                      read_checkpoint_int(archive, "epochs_done", path, 0,
-                                          std::numeric_limits<int>::max())) +
-                      1,
-                  done + 1);
+      std::printf("continuing epoch %d at batch %lld\n", state.epochs_done + 1,
+                  static_cast<long long>(state.epoch_batches_done + 1));
     }
   }
 
@@ -1154,6 +1213,8 @@ class Trainer : private CheckpointWriter {
     row("bn", BN::name);
     row("lr_scaling", LRScaling::name);
     row("evaluation", Reduction::name);
+    row("task", std::string(Task::name));
+    row("monitor", monitor_.name + " (" + std::string(monitor_.goal_name()) + ")");
     row("epochs", std::to_string(options_.epochs()));
     row("lr", num(options_.lr()));
     row("batch_size_per_rank", std::to_string(lo.batch_size()));
@@ -1170,6 +1231,34 @@ class Trainer : private CheckpointWriter {
     return md;
   }
 
+  /// The monitored metric: the options' (checked against the task's
+  /// columns) or the task's own.
+  static Monitor resolve_monitor(const TrainerOptions& o) {
+    using ddpkit::detail::cat;
+    const auto columns = metric_columns<Task>();
+    Monitor m{std::string(Task::monitor.name), Task::monitor.goal};
+    if (!o.monitor().empty()) {
+      if (std::find(columns.begin(), columns.end(), o.monitor()) ==
+          columns.end()) {
+        throw UsageError(cat("monitor '", o.monitor(), "': the task ",
+                             Task::name, " has ",
+                             ddpkit::detail::join(columns, ", ")));
+      }
+      if (o.monitor_mode().empty() && o.monitor() != m.name) {
+        const std::string& n = o.monitor();
+        if (n.size() < 5 || n.compare(n.size() - 5, 5, "_loss") != 0) {
+          throw UsageError(cat("monitor '", n,
+                               "': say whether lower or higher is better "
+                               "(monitor_mode / --mode min or max)"));
+        }
+        m.goal = Goal::min;
+      }
+      m.name = o.monitor();
+    }
+    if (!o.monitor_mode().empty()) m.goal = parse_goal(o.monitor_mode());
+    return m;
+  }
+
   static Model prepare(Model model, const dist::Group& g) {
     BN::apply(parallel::as_module(model), g);
     return model;
@@ -1177,10 +1266,11 @@ class Trainer : private CheckpointWriter {
 
   dist::Group group_;
   TrainerOptions options_;
+  Task task_;
+  Monitor monitor_;  ///< options_.monitor(), or the task's
   torch::Device device_;
   engine_type engine_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  CrossEntropy loss_fn_;
   LossScaler scaler_;
   bool join_ = false;         ///< this fit runs uneven_inputs(join)
   torch::Tensor resume_rng_;  ///< set by a mid-epoch resume until applied
@@ -1190,7 +1280,7 @@ class Trainer : private CheckpointWriter {
   /// read from one until the resumed epoch starts.
   struct MidEpoch {
     std::int64_t batches_done = 0;  ///< 0: at an epoch's end
-    torch::Tensor sums;             ///< [loss sum, correct, count], all ranks
+    torch::Tensor sums;  ///< [loss sum, samples, task sums...], all ranks
     torch::Tensor rng;              ///< [world, state]: each rank's generator
   } mid_;
 };

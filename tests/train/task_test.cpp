@@ -1,0 +1,271 @@
+// Tasks other than classification, and datasets of samples: a regression
+// model through DDP equals one process on the joined batch (weights and
+// every metric, so metrics must be summed across ranks); variable-length
+// sequences padded by a collate step count only their real tokens; a
+// monitored metric must exist and say its direction.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ddpkit/ddpkit.hpp"
+#include "support.hpp"
+
+using namespace ddpkit;
+using ddpkit::test::run_workers;
+using ddpkit::test::TempDir;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// y = x · w + 0.1 sin(3 x0): 4 features, one target, a sample at a time.
+struct RegressionSet {
+  torch::Tensor x, y;
+  std::size_t size() const {
+    return static_cast<std::size_t>(x.size(0));
+  }
+  data::Example get(std::size_t i) const {
+    const auto k = static_cast<int64_t>(i);
+    return {x[k], y[k]};
+  }
+};
+
+RegressionSet make_regression(int64_t n, std::uint64_t seed) {
+  auto gen = ddpkit::detail::make_generator(seed);
+  auto x = torch::randn({n, 4}, gen, torch::kFloat32);
+  auto w = torch::tensor({0.5, -1.0, 2.0, 0.25}, torch::kFloat32);
+  auto y = (x.matmul(w) + 0.1 * torch::sin(3 * x.select(1, 0))).unsqueeze(1);
+  return {x, y};
+}
+
+struct RegressorImpl : torch::nn::Cloneable<RegressorImpl> {
+  RegressorImpl() {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(4, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 1));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc2(torch::tanh(fc1(x)));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Regressor);
+
+constexpr int kEpochs = 3;
+
+TrainerOptions regression_options(const fs::path& out) {
+  return TrainerOptions()
+      .epochs(kEpochs)
+      .lr(0.05)
+      .out_dir(out.string())
+      .seed(7)
+      .verbose(false)
+      .tensorboard(false)
+      .run_name("regression");
+}
+
+train::OptimizerFactory sgd_momentum() {
+  return [](std::vector<torch::Tensor> p) {
+    return std::make_unique<torch::optim::SGD>(
+        p, torch::optim::SGDOptions(0.05).momentum(0.9));
+  };
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+c10::Dict<c10::IValue, c10::IValue> model_of(const fs::path& ckpt) {
+  auto archive = train::open_checkpoint(ckpt);
+  c10::IValue v;
+  archive.read("model", v);
+  return v.toGenericDict();
+}
+
+/// The history as "name value" lines, in order.
+std::string history_text(const train::FitResult& r) {
+  std::ostringstream os;
+  os.precision(17);
+  for (const auto& m : r.history) {
+    for (const auto& [k, v] : m.task) os << k << " " << v << "\n";
+  }
+  return os.str();
+}
+
+std::vector<std::pair<std::string, double>> parse_history(
+    const std::string& text) {
+  std::vector<std::pair<std::string, double>> out;
+  std::istringstream in(text);
+  std::string k;
+  double v;
+  while (in >> k >> v) out.emplace_back(k, v);
+  return out;
+}
+
+}  // namespace
+
+/// DDP at world 2, 10 samples per rank per step (one step per epoch),
+/// regression with sharded evaluation; rank 0 writes the history.
+DDPKIT_WORKER(task_regression_ddp) {
+  auto g = test::worker_group();
+  torch::manual_seed(1);
+  auto train_set = make_regression(20, 1), val_set = make_regression(9, 2);
+  DDPTrainer<Regressor, PlainBN, NoScaling, ShardedEval, Regression> trainer(
+      Regressor(), sgd_momentum(),
+      regression_options(test::worker_dir() / "out"), g);
+  auto r = trainer.fit(train_set, val_set, data::LoaderOptions(10).workers(0));
+  std::ofstream(test::worker_dir() / ("history" + std::to_string(g.rank())))
+      << history_text(r);
+  return 0;
+}
+
+TEST_SUITE("train") {
+  TEST_CASE(
+      "Regression through DDP at world 2 equals one process on the joined "
+      "batch: weights and every metric (train and validation sums reduced "
+      "across ranks)") {
+    TempDir single;
+    torch::manual_seed(1);
+    auto train_set = make_regression(20, 1), val_set = make_regression(9, 2);
+    SingleDeviceTrainer<Regressor, RankZeroEval, Regression> t(
+        Regressor(), sgd_momentum(), regression_options(single.path()));
+    const auto ref =
+        t.fit(train_set, val_set, data::LoaderOptions(20).workers(0));
+    REQUIRE(ref.history.size() == kEpochs);
+    CHECK(ref.monitor.name == "val_loss");
+    CHECK(ref.monitor.goal == train::Goal::min);
+    // It learns: the validation loss falls.
+    CHECK(ref.history.back().val_loss() < ref.history.front().val_loss());
+    // metrics.jsonl names the task's metrics.
+    const auto jsonl = read_file(single / "metrics.jsonl");
+    CHECK(jsonl.find("\"train_mae\":") != std::string::npos);
+    CHECK(jsonl.find("\"val_mae\":") != std::string::npos);
+    CHECK(jsonl.find("acc") == std::string::npos);
+    const auto summary = read_file(single / "summary.json");
+    CHECK(summary.find("\"task\": \"regression\"") != std::string::npos);
+    CHECK(summary.find("\"best_val_loss\":") != std::string::npos);
+
+    TempDir dir;
+    auto res = run_workers("task_regression_ddp", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    const auto want = parse_history(history_text(ref));
+    for (int rank = 0; rank < 2; ++rank) {
+      CAPTURE(rank);
+      const auto got =
+          parse_history(read_file(dir / ("history" + std::to_string(rank))));
+      REQUIRE(got.size() == want.size());
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        CAPTURE(got[i].first);
+        CHECK(got[i].first == want[i].first);
+        CHECK(std::abs(got[i].second - want[i].second) <=
+              1e-5 * std::abs(want[i].second));
+      }
+    }
+    auto a = model_of(single / "checkpoints/last.pt");
+    auto b = model_of(dir / "out/checkpoints/last.pt");
+    for (auto& kv : a) {
+      CAPTURE(kv.key().toStringRef());
+      auto x = kv.value().toTensor(), y = b.at(kv.key()).toTensor();
+      CHECK(((x - y).abs().max() / x.abs().max()).item<double>() < 1e-5);
+    }
+  }
+
+  TEST_CASE(
+      "variable-length sequences: PadSequences pads to the longest, and "
+      "LanguageModel counts only real tokens in loss, accuracy and "
+      "perplexity") {
+    // Three sequences of 2, 4 and 3 tokens over a vocabulary of 5.
+    std::vector<data::Example> samples;
+    for (int64_t len : {2, 4, 3}) {
+      auto x = torch::arange(len, torch::kInt64).remainder(5);
+      samples.push_back({x, (x + 1).remainder(5)});
+    }
+    torch::Generator gen = ddpkit::detail::make_generator(0);
+    const data::Batch b = data::PadSequences{}(samples, gen);
+    REQUIRE(b.data.sizes() == torch::IntArrayRef({3, 4}));
+    CHECK(b.target[0][2].item<int64_t>() == -100);
+    CHECK(b.target[0][3].item<int64_t>() == -100);
+    CHECK(b.data[0][3].item<int64_t>() == 0);
+    CHECK(b.target[1][3].item<int64_t>() == 4);
+
+    // Logits that put weight 2 on the right token of every real position.
+    auto logits = torch::zeros({3, 4, 5});
+    for (int64_t i = 0; i < 3; ++i) {
+      for (int64_t t = 0; t < 4; ++t) {
+        const auto y = b.target[i][t].item<int64_t>();
+        if (y >= 0) logits[i][t][y] = 2.0;
+      }
+    }
+    // Padded positions get garbage that must not count.
+    logits.select(1, 3).index_put_({0}, torch::full({5}, 50.0));
+    const train::LanguageModel task;
+    const double per_token = -std::log(std::exp(2.0) / (std::exp(2.0) + 4));
+    const double loss = task.loss(logits, b.target).item<double>();
+    CHECK(loss == doctest::Approx(per_token).epsilon(1e-6));
+    const auto s = task.sums(logits, b.target, loss);
+    CHECK(s[2] == 9);  // 2 + 4 + 3 real tokens
+    CHECK(s[1] == 9);  // all right
+    const auto e = train::evaluation_sums(task, logits, b.target);
+    CHECK(e[0] == doctest::Approx(9 * per_token).epsilon(1e-6));
+    const auto m = task.finish(e);
+    CHECK(m[0] == doctest::Approx(per_token).epsilon(1e-6));
+    CHECK(m[1] == doctest::Approx(std::exp(per_token)).epsilon(1e-6));
+    CHECK(m[2] == 1.0);
+    // A model whose output does not fit the target is named.
+    CHECK_THROWS_WITH_AS(task.loss(torch::zeros({3, 5}), b.target),
+                         doctest::Contains("LanguageModel: the model's output "
+                                           "has shape [3, 5]"),
+                         UsageError);
+  }
+
+  TEST_CASE(
+      "the loader collates samples: Stack by default, a given collate step "
+      "otherwise, with the same batches for any number of workers") {
+    auto set = make_regression(10, 3);
+    data::Loader stack(set, data::Stack{}, data::LoaderOptions(4).workers(2));
+    std::vector<data::Batch> got;
+    for (data::Batch b : stack.epoch({9, 8, 7, 6, 5, 4, 3, 2, 1, 0}, 0)) {
+      got.push_back(b);
+    }
+    REQUIRE(got.size() == 3);
+    CHECK(got[0].data.sizes() == torch::IntArrayRef({4, 4}));
+    CHECK(got[2].target.sizes() == torch::IntArrayRef({2, 1}));
+    CHECK(torch::equal(got[0].data[1], set.x[8]));
+    CHECK(torch::equal(got[2].target[1], set.y[0]));
+  }
+
+  TEST_CASE(
+      "the monitored metric: any column of the task, its direction said or "
+      "implied; anything else is refused naming the columns") {
+    TempDir dir;
+    auto make = [&](const std::string& name, const std::string& mode) {
+      SingleDeviceTrainer<Regressor, RankZeroEval, Regression> t(
+          Regressor(), sgd_momentum(),
+          regression_options(dir.path()).monitor(name).monitor_mode(mode));
+      return t.fit(make_regression(8, 1), make_regression(4, 2),
+                   data::LoaderOptions(4).workers(0))
+          .monitor;
+    };
+    CHECK_THROWS_WITH_AS(
+        make("val_acc", ""),
+        doctest::Contains("monitor 'val_acc': the task regression has "
+                          "train_loss, train_mae, val_loss, val_mae"),
+        UsageError);
+    CHECK_THROWS_WITH_AS(make("val_mae", ""),
+                         doctest::Contains("say whether lower or higher"),
+                         UsageError);
+    CHECK_THROWS_WITH_AS(make("val_mae", "down"),
+                         doctest::Contains("expected min or max"), UsageError);
+    const auto m = make("val_mae", "min");
+    CHECK(m.name == "val_mae");
+    CHECK(m.goal == train::Goal::min);
+    CHECK(make("train_loss", "").goal == train::Goal::min);
+  }
+}
