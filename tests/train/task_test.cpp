@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "../support.hpp"
 #include "ddpkit/ddpkit.hpp"
-#include "support.hpp"
 
 using namespace ddpkit;
 using ddpkit::test::run_workers;
@@ -249,8 +249,9 @@ TEST_SUITE("train") {
       SingleDeviceTrainer<Regressor, RankZeroEval, Regression> t(
           Regressor(), sgd_momentum(),
           regression_options(dir.path()).monitor(name).monitor_mode(mode));
-      return t.fit(make_regression(8, 1), make_regression(4, 2),
-                   data::LoaderOptions(4).workers(0))
+      return t
+          .fit(make_regression(8, 1), make_regression(4, 2),
+               data::LoaderOptions(4).workers(0))
           .monitor;
     };
     CHECK_THROWS_WITH_AS(

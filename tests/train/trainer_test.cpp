@@ -865,10 +865,11 @@ TEST_SUITE("train") {
     a.write("history", torch::zeros({2, 3}, torch::kFloat64));
     train::atomic_save(a, dir / "bad.pt");
     auto archive = train::open_checkpoint(dir / "bad.pt");
-    CHECK_THROWS_WITH_AS(train::TrainingState::load(archive, dir / "bad.pt", kColumns, 3),
-                         doctest::Contains("'epochs_done' is nan, not a whole "
-                                           "number"),
-                         UsageError);
+    CHECK_THROWS_WITH_AS(
+        train::TrainingState::load(archive, dir / "bad.pt", kColumns, 3),
+        doctest::Contains("'epochs_done' is nan, not a whole "
+                          "number"),
+        UsageError);
     // An optimizer of another model (two parameters, not six).
     torch::nn::Linear other(3, 2);
     torch::optim::SGD other_sgd(other->parameters(),
@@ -886,11 +887,12 @@ TEST_SUITE("train") {
     train::atomic_save(b, dir / "history.pt");
     auto hist = train::open_checkpoint(dir / "history.pt");
     // EpochMetrics::from_tensor read 8 columns of what had 3.
-    CHECK_THROWS_WITH_AS(train::TrainingState::load(hist, dir / "history.pt", kColumns, 3),
-                         doctest::Contains("'history' is not an N x 11 (or, "
-                                           "from format version 2, N x 8) "
-                                           "table"),
-                         UsageError);
+    CHECK_THROWS_WITH_AS(
+        train::TrainingState::load(hist, dir / "history.pt", kColumns, 3),
+        doctest::Contains("'history' is not an N x 11 (or, "
+                          "from format version 2, N x 8) "
+                          "table"),
+        UsageError);
 
     // A format-2 history (8 columns, whole-epoch images/s in the last)
     // still resumes; the train/val split it never had is NaN.
@@ -961,8 +963,7 @@ DDPKIT_WORKER(eval_strategies) {
   auto rb = b.evaluate(d.val, data::CifarEval{}, lo);
   std::ofstream(test::worker_dir() / ("eval" + std::to_string(g.rank())))
       << ra.count << " " << rb.count << " " << ra.value("acc") << " "
-      << rb.value("acc")
-      << " "
+      << rb.value("acc") << " "
       << (std::abs(ra.loss - rb.loss) <= 1e-6 * std::abs(ra.loss) ? "same"
                                                                   : "differ");
   // What each rank evaluated itself: rank 0 all of it, or its shard.
@@ -1035,7 +1036,8 @@ DDPKIT_WORKER(slow_rank0_eval) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
   std::ofstream(test::worker_dir() / ("eval" + std::to_string(g.rank())))
-      << r.count << " " << r.value("acc") << " " << (secs > 2.5 ? "slow" : "fast");
+      << r.count << " " << r.value("acc") << " "
+      << (secs > 2.5 ? "slow" : "fast");
   return 0;
 }
 
@@ -1204,7 +1206,7 @@ DDPKIT_WORKER(uneven_join) {
   std::ofstream f(test::worker_dir() / ("history" + std::to_string(g.rank())));
   f.precision(17);
   for (const auto& e : r.history) {
-    f << e.epoch << " " << e.train_loss << " " << e.val_loss << "\n";
+    f << e.epoch << " " << e.train_loss() << " " << e.val_loss() << "\n";
   }
   return 0;
 }
@@ -1746,7 +1748,8 @@ TEST_SUITE("train") {
     TempDir a, b;
     const auto [full, full_end] = run(a.path(), kEpochs, "");
     std::string acc;
-    for (const auto& m : full.history) acc += " " + std::to_string(m.val_loss());
+    for (const auto& m : full.history)
+      acc += " " + std::to_string(m.val_loss());
     MESSAGE("uninterrupted: val_loss by epoch:", acc, "; best epoch ",
             full.best_epoch, ", ", full.epochs_run, " epochs");
     REQUIRE(full.stopped_early);
@@ -1768,9 +1771,9 @@ TEST_SUITE("train") {
     CHECK(resumed_end.bad_epochs == full_end.bad_epochs);
     CHECK(resumed_end.global_step == full_end.global_step);
     CHECK(full_end.global_step == 4 * full.epochs_run);  // 64 / 16 per epoch
-    for (std::string key : {"epochs_run", "stopped_early", "best_epoch",
-                            "best_val_loss", "final_val_loss", "monitor",
-                            "monitor_mode"}) {
+    for (std::string key :
+         {"epochs_run", "stopped_early", "best_epoch", "best_val_loss",
+          "final_val_loss", "monitor", "monitor_mode"}) {
       CAPTURE(key);
       CHECK(summary_field(b.path(), key) == summary_field(a.path(), key));
     }

@@ -53,9 +53,15 @@ namespace detail {
 /// tensors, or anything with `data` and `target` (libtorch's Example).
 template <class S>
 std::pair<torch::Tensor, torch::Tensor> unpack(const S& s) {
-  if constexpr (requires { s.input; s.target; }) {
+  if constexpr (requires {
+                  s.input;
+                  s.target;
+                }) {
     return {s.input, s.target};
-  } else if constexpr (requires { s.data; s.target; }) {
+  } else if constexpr (requires {
+                         s.data;
+                         s.target;
+                       }) {
     return {s.data, s.target};
   } else {
     static_assert(std::tuple_size_v<S> == 2,
@@ -122,16 +128,15 @@ struct PadSequences {
   }
 
  private:
-  static torch::Tensor pad(const std::vector<torch::Tensor>& ts,
-                           double value) {
+  static torch::Tensor pad(const std::vector<torch::Tensor>& ts, double value) {
     if (ts.empty()) return torch::Tensor();
     int64_t longest = 0;
     for (const auto& t : ts) {
       if (t.dim() < 1 || t.sizes().slice(1) != ts[0].sizes().slice(1)) {
-        throw UsageError(ddpkit::detail::cat(
-            "PadSequences: sample of shape ", t.sizes(),
-            " does not match the first's ", ts[0].sizes(),
-            " past the first (length) dimension"));
+        throw UsageError(
+            ddpkit::detail::cat("PadSequences: sample of shape ", t.sizes(),
+                                " does not match the first's ", ts[0].sizes(),
+                                " past the first (length) dimension"));
       }
       longest = std::max(longest, t.size(0));
     }

@@ -85,11 +85,11 @@ struct FitState {
   std::vector<EpochMetrics> history;  ///< the finished epochs
   Monitor monitor;                    ///< what "best" means in this fit
   double best = std::numeric_limits<double>::quiet_NaN();  ///< NaN: none
-  int best_epoch = 0;  ///< its epoch (1-based; 0: none)
-  int bad_epochs = 0;                 ///< epochs since it
-  bool stop = false;                  ///< no further epoch (set at `EpochEnd`)
-  std::string stop_reason;            ///< said at `FitEnd` (early stop, signal)
-  int signal = 0;                     ///< the signal that stopped the run, or 0
+  int best_epoch = 0;       ///< its epoch (1-based; 0: none)
+  int bad_epochs = 0;       ///< epochs since it
+  bool stop = false;        ///< no further epoch (set at `EpochEnd`)
+  std::string stop_reason;  ///< said at `FitEnd` (early stop, signal)
+  int signal = 0;           ///< the signal that stopped the run, or 0
   torch::nn::Module* module = nullptr;      ///< the model being trained
   CheckpointWriter* checkpoints = nullptr;  ///< for checkpoint callbacks
 };
@@ -183,10 +183,9 @@ class EarlyStopping {
   void on(const EpochEnd& e) {
     if (patience_ > 0 && e.state.bad_epochs >= patience_) {
       e.state.stop = true;
-      e.state.stop_reason =
-          ddpkit::detail::cat("early stopping after epoch ", e.metrics.epoch,
-                              ": no better ", e.state.monitor.name, " for ", patience_,
-                              " epochs");
+      e.state.stop_reason = ddpkit::detail::cat(
+          "early stopping after epoch ", e.metrics.epoch, ": no better ",
+          e.state.monitor.name, " for ", patience_, " epochs");
     }
   }
 

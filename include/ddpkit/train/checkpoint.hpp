@@ -401,8 +401,8 @@ struct TrainingState {
     r.epochs_done = read_checkpoint_int(archive, "epochs_done", file, 0, kMax);
     c10::IValue v;
     const bool tasks = archive.try_read("best", v);  // format 4 on
-    r.best = read_checkpoint_scalar(archive, tasks ? "best" : "best_val_acc",
-                                    file);
+    r.best =
+        read_checkpoint_scalar(archive, tasks ? "best" : "best_val_acc", file);
     r.best_epoch = read_checkpoint_int(archive, "best_epoch", file, -1, kMax);
     r.bad_epochs = read_checkpoint_int(archive, "bad_epochs", file, 0, kMax);
     if (tasks) {
@@ -440,12 +440,11 @@ struct TrainingState {
            v.toTensor().size(1) == n + EpochMetrics::kTimingFieldsV2) &&
           v.toTensor().is_floating_point();
       if (!ok) {
-        throw UsageError(cat("checkpoint ", file.string(),
-                             ": 'history' is not an N x ",
-                             n + EpochMetrics::kTimingFields,
-                             " (or, from format version 2, N x ",
-                             n + EpochMetrics::kTimingFieldsV2,
-                             ") table of numbers"));
+        throw UsageError(
+            cat("checkpoint ", file.string(), ": 'history' is not an N x ",
+                n + EpochMetrics::kTimingFields,
+                " (or, from format version 2, N x ",
+                n + EpochMetrics::kTimingFieldsV2, ") table of numbers"));
       }
       auto h = v.toTensor().to(torch::kFloat64).contiguous();
       for (std::int64_t i = 0; i < h.size(0); ++i) {
@@ -470,9 +469,9 @@ struct TrainingState {
                     rng.toTensor().dim() == 2 &&
                     rng.toTensor().scalar_type() == torch::kUInt8;
     const auto width = static_cast<std::int64_t>(2 + num_sums);
-    torch::Tensor t = ok ? sums.toTensor().to(torch::kFloat64).cpu().reshape(
-                               {-1})
-                         : torch::Tensor();
+    torch::Tensor t =
+        ok ? sums.toTensor().to(torch::kFloat64).cpu().reshape({-1})
+           : torch::Tensor();
     if (ok && !tasks && t.numel() == 3 && num_sums == 3) {
       // Format 3: [loss sum, correct, samples] of Classification.
       t = torch::stack({t[0], t[2], t[0], t[1], t[2]});

@@ -90,9 +90,8 @@ struct EpochMetrics {
   torch::Tensor to_tensor() const {
     std::vector<double> row{static_cast<double>(epoch)};
     for (const auto& kv : task) row.push_back(kv.second);
-    row.insert(row.end(),
-               {lr, seconds, train_seconds, val_seconds,
-                train_images_per_second, epoch_images_per_second});
+    row.insert(row.end(), {lr, seconds, train_seconds, val_seconds,
+                           train_images_per_second, epoch_images_per_second});
     return torch::tensor(row, torch::kFloat64);
   }
   /// A row of 1 + names + `kTimingFields` numbers (or, from checkpoints of
@@ -107,8 +106,8 @@ struct EpochMetrics {
     for (const auto& n : names) m.task.emplace_back(n, a[i++]);
     m.lr = a[i++];
     m.seconds = a[i++];
-    if (t.size(0) == 1 + static_cast<std::int64_t>(names.size()) +
-                         kTimingFieldsV2) {
+    if (t.size(0) ==
+        1 + static_cast<std::int64_t>(names.size()) + kTimingFieldsV2) {
       const double nan = std::numeric_limits<double>::quiet_NaN();
       m.train_seconds = m.val_seconds = m.train_images_per_second = nan;
       m.epoch_images_per_second = a[i];
@@ -140,9 +139,9 @@ namespace detail {
 inline std::vector<std::string> metric_values(const EpochMetrics& m) {
   std::vector<std::string> v{std::to_string(m.epoch)};
   for (const auto& kv : m.task) v.push_back(num(kv.second));
-  v.insert(v.end(), {num(m.lr), num(m.seconds), num(m.train_seconds),
-                     num(m.val_seconds), num(m.train_images_per_second),
-                     num(m.epoch_images_per_second)});
+  v.insert(v.end(),
+           {num(m.lr), num(m.seconds), num(m.train_seconds), num(m.val_seconds),
+            num(m.train_images_per_second), num(m.epoch_images_per_second)});
   return v;
 }
 }  // namespace detail
@@ -159,7 +158,8 @@ inline std::string to_json(const EpochMetrics& m) {
 inline void write_metrics_files(const std::filesystem::path& out,
                                 const std::vector<EpochMetrics>& history) {
   std::string jsonl, csv;
-  if (!history.empty()) csv = ddpkit::detail::join(metrics_columns(history[0]), ",");
+  if (!history.empty())
+    csv = ddpkit::detail::join(metrics_columns(history[0]), ",");
   csv += "\n";
   for (const auto& m : history) {
     jsonl += to_json(m) + "\n";
@@ -217,11 +217,10 @@ class Progress {
       drawn_ = true;
       const int width = 24;
       int filled = steps_ ? static_cast<int>(width * done / steps_) : width;
-      std::printf(
-          "\repoch %d/%d [%s%s] %zu/%zu loss %.4f %.0f %s/s ETA %.0fs ",
-          epoch_, epochs_, std::string(filled, '#').c_str(),
-          std::string(width - filled, '.').c_str(), done, steps_, loss,
-          images_per_second, unit_.c_str(), eta);
+      std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f %.0f %s/s ETA %.0fs ",
+                  epoch_, epochs_, std::string(filled, '#').c_str(),
+                  std::string(width - filled, '.').c_str(), done, steps_, loss,
+                  images_per_second, unit_.c_str(), eta);
     } else {
       std::printf("epoch %d/%d step %zu/%zu loss %.4f %.0f %s/s ETA %.0fs\n",
                   epoch_, epochs_, done, steps_, loss, images_per_second,

@@ -152,9 +152,8 @@ concept task_monitors_a_metric = requires {
 template <class T>
 concept task_policy =
     declares_task_tag<T> && task_names_itself<T> && task_names_metrics<T> &&
-    task_computes_loss<T> && task_sums_batches<T> &&
-    task_finishes_metrics<T> && task_monitors_a_metric<T> &&
-    std::default_initializable<T>;
+    task_computes_loss<T> && task_sums_batches<T> && task_finishes_metrics<T> &&
+    task_monitors_a_metric<T> && std::default_initializable<T>;
 
 template <class T>
 inline constexpr bool is_task_policy_v = task_policy<T>;
@@ -210,8 +209,8 @@ struct Classification {
                                         const torch::Tensor& y) const {
     namespace F = torch::nn::functional;
     const double loss =
-        F::cross_entropy(out, y, F::CrossEntropyFuncOptions().reduction(
-                                     torch::kSum))
+        F::cross_entropy(out, y,
+                         F::CrossEntropyFuncOptions().reduction(torch::kSum))
             .template item<double>();
     return {loss, out.argmax(1).eq(y).sum().template item<double>(),
             static_cast<double>(y.size(0))};
@@ -241,15 +240,14 @@ struct Regression {
                              double loss) const {
     check(out, y);
     const auto n = static_cast<double>(y.numel());
-    const torch::Tensor d = out.detach().to(torch::kFloat64) -
-                            y.detach().to(torch::kFloat64);
+    const torch::Tensor d =
+        out.detach().to(torch::kFloat64) - y.detach().to(torch::kFloat64);
     return {loss * n, d.abs().sum().template item<double>(), n};
   }
   std::array<double, 3> evaluation_sums(const torch::Tensor& out,
                                         const torch::Tensor& y) const {
     check(out, y);
-    const torch::Tensor d =
-        out.to(torch::kFloat64) - y.to(torch::kFloat64);
+    const torch::Tensor d = out.to(torch::kFloat64) - y.to(torch::kFloat64);
     return {d.square().sum().template item<double>(),
             d.abs().sum().template item<double>(),
             static_cast<double>(y.numel())};

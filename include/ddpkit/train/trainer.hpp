@@ -40,6 +40,7 @@
 #include "ddpkit/train/clip.hpp"
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
+#include "ddpkit/train/options.hpp"
 #include "ddpkit/train/reduction.hpp"
 #include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/task.hpp"
@@ -52,126 +53,12 @@ namespace ddpkit::train {
 /// Trainer's name for it stays.
 using parallel::LossScaler;
 
-/// What the Trainer does; each field says whether changing it after
-/// construction has effect (all are read at `fit`).
-/// What DDP training does when ranks have different numbers of batches in
-/// an epoch.
-enum class UnevenInputs {
-  /// Fail before the epoch, on every rank, naming the counts (default).
-  refuse,
-  /// PyTorch's Join: ranks that run out keep taking part in the others'
-  /// gradient all-reduces with zeros until every rank is done; the last
-  /// rank to finish broadcasts its model (see BasicDDP::engine::join_round).
-  join,
-};
-
-struct TrainerOptions {
-  TORCH_ARG(int, epochs) = 30;
-  /// Base learning rate, before the LR-scaling policy and the schedule.
-  TORCH_ARG(double, lr) = 1e-3;
-  TORCH_ARG(ScheduleOptions, schedule) = {};
-  /// Early stopping: stop after this many epochs without a better
-  /// monitored metric (0: never).
-  TORCH_ARG(int, patience) = 0;
-  /// Where rank 0 writes metrics, checkpoints and the summary.
-  TORCH_ARG(std::string, out_dir) = "runs/ddpkit";
-  /// "" (fresh), a checkpoint path, or "auto" (OUT/checkpoints/last.pt if
-  /// it exists).
-  TORCH_ARG(std::string, resume) = "";
-  /// Resuming from a checkpoint written with another world size or seed is
-  /// refused (the sampler's order and each rank's share would change);
-  /// true resumes anyway and says what changes.
-  TORCH_ARG(bool, resume_allow_changes) = false;
-  /// Cap on steps per epoch (0: no cap), for smoke runs and benchmarks.
-  TORCH_ARG(int64_t, max_steps) = 0;
-  /// Seeds sampling, augmentation (with the rank) and dropout.
-  TORCH_ARG(std::uint64_t, seed) = 42;
-  /// Write checkpoints/last.pt every epoch and best.pt on improvement.
-  TORCH_ARG(bool, checkpoints) = true;
-  /// Keep the best this many epochs' checkpoints by the monitored metric:
-  /// checkpoints/best.pt is always the best one; with k > 1 the k best are
-  /// also kept as checkpoints/best-epoch-<E>.pt (best.pt a hard link to the
-  /// first), files that drop out of the k best removed. Ties go to the
-  /// earlier epoch. 0: no best checkpoints.
-  TORCH_ARG(int, keep_best) = 1;
-  /// Also write checkpoints/last.pt within epochs, every this many batches
-  /// (counted over the run; 0: at epoch ends only). It holds the batch, the
-  /// metrics so far and every rank's CPU generator, so `resume("auto")`
-  /// continues at that batch with the weights an uninterrupted run has (CPU:
-  /// bit for bit). Needs the same world size to resume; not with
-  /// `uneven_inputs(join)`.
-  TORCH_ARG(std::int64_t, checkpoint_every_n_steps) = 0;
-  /// SIGTERM or SIGINT during `fit` (what torchrun, SLURM and Ctrl-C send
-  /// before killing) stops training at the next batch boundary instead of
-  /// at once: the ranks agree on the batch (one 8-byte all-reduce per
-  /// optimizer step), rank 0 writes checkpoints/last.pt there (as
-  /// `checkpoint_every_n_steps` does, resumable with `resume("auto")`), and
-  /// `fit` throws `Interrupted` (`launch` exits 128 + the signal). A signal
-  /// during evaluation stops after the epoch's checkpoint. A second signal
-  /// ends the process at once. With `uneven_inputs(join)` the ranks stop
-  /// at the epoch's end. false: the signals keep their usual effect.
-  TORCH_ARG(bool, checkpoint_on_signal) = true;
-  /// The metric that means "best" for early stopping, keep_best, best.pt
-  /// and summary.json: "val_<m>" or "train_<m>" for a metric m of the task
-  /// (metrics.jsonl's columns). "" : the task's own (Classification:
-  /// val_acc, Regression and LanguageModel: val_loss).
-  TORCH_ARG(std::string, monitor) = "";
-  /// "min" or "max"; "" : the task's when it is the task's metric, min for
-  /// a name ending in "_loss", else an error asking for it.
-  TORCH_ARG(std::string, monitor_mode) = "";
-  /// Also write the model's state dict (Python-loadable) each epoch to this
-  /// pattern under OUT, `{epoch}` replaced (flowers:
-  /// "weights/model-{epoch}.pt").
-  TORCH_ARG(std::string, weights_pattern) = "";
-  /// With rank-0 evaluation (RankZeroEval), how long the other ranks wait
-  /// for rank 0 to evaluate the validation set, in seconds. They wait
-  /// through the store, so a validation set that takes longer than the
-  /// collective timeout does not fail them.
-  TORCH_ARG(double, eval_timeout) = 3600;
-  /// Rank 0 prints progress and one line per epoch.
-  TORCH_ARG(bool, verbose) = true;
-  /// Where stdout is not a terminal (SLURM, torchrun, a pipe), how often
-  /// rank 0 prints a progress line (step, loss, throughput, time left):
-  /// every N batches and/or every S seconds (default 30 s).
-  TORCH_ARG(ProgressOptions, progress) = {};
-  /// Names the run in summary.json ("cifar10", "flowers-resnet34").
-  TORCH_ARG(std::string, run_name) = "ddpkit";
-  /// Drop the tail of the training set so every rank has equal batches.
-  TORCH_ARG(bool, drop_last) = false;
-  /// Ranks with different batch counts: refuse (default) or join.
-  TORCH_ARG(UnevenInputs, uneven_inputs) = UnevenInputs::refuse;
-  /// CUDA only: autocast forward and a dynamic loss scale whose overflow
-  /// check is reduced across ranks.
-  TORCH_ARG(bool, mixed_precision) = false;
-  /// Gradient accumulation: this many batches per optimizer step (1: none).
-  /// The gradients of the first k-1 are kept locally (the engine's
-  /// `no_sync`: DDP communicates once per step, on the last batch), and
-  /// each batch's loss is weighted by its share of the step's samples, so
-  /// k batches of b equal one batch of k*b (a short last step at the end
-  /// of an epoch included). `max_steps` still counts batches. Not with
-  /// `uneven_inputs(join)`.
-  TORCH_ARG(int, accumulate) = 1;
-  /// Gradient clipping (off by default), applied to the averaged gradients
-  /// before each optimizer step; with mixed precision after unscaling, and
-  /// only on steps that are taken.
-  TORCH_ARG(ClipOptions, clip) = {};
-  /// Rank 0 writes TensorBoard event files to OUT/tb: per epoch (step =
-  /// epoch, 1-based) the recipe's tags train/loss, train/acc, val/loss,
-  /// val/acc, lr, plus train/images_per_second, time/train_seconds and
-  /// time/val_seconds; per batch train/loss_step (below); the run's
-  /// settings as text (tag "hparams"). Flushed at each epoch's end.
-  TORCH_ARG(bool, tensorboard) = true;
-  /// Every this many batches (counted over the whole run, resumes
-  /// included) rank 0 logs its batch loss as train/loss_step (0: never).
-  TORCH_ARG(int, log_every_n_steps) = 50;
-};
-
 /// The result of `fit`.
 struct FitResult {
   std::vector<EpochMetrics> history;
-  Monitor monitor;          ///< what "best" means
-  double best_value = 0;    ///< the monitored metric's best value
-  int best_epoch = 0;       ///< its epoch (1-based; 0: none)
+  Monitor monitor;        ///< what "best" means
+  double best_value = 0;  ///< the monitored metric's best value
+  int best_epoch = 0;     ///< its epoch (1-based; 0: none)
   int epochs_run = 0;
   bool stopped_early = false;
   double total_seconds = 0;
@@ -255,60 +142,11 @@ class Trainer : private CheckpointWriter {
       : group_(std::move(group)),
         options_(std::move(options)),
         task_(std::move(task)),
-        monitor_(resolve_monitor(options_)),
+        monitor_(resolve_monitor<Task>(options_)),
         device_(device.value_or(default_device(group_))),
         engine_(prepare(std::move(model), group_), group_,
                 std::move(parallel_options), device_) {
-    using ddpkit::detail::cat;
-    if (options_.epochs() < 1) {
-      throw UsageError(cat("epochs ", options_.epochs(), " must be >= 1"));
-    }
-    if (!(options_.lr() > 0)) {
-      throw UsageError(cat("lr ", options_.lr(), " must be > 0"));
-    }
-    if (options_.max_steps() < 0) {
-      throw UsageError(
-          cat("max_steps ", options_.max_steps(), " must be >= 0"));
-    }
-    if (options_.checkpoint_every_n_steps() < 0) {
-      throw UsageError(cat("checkpoint_every_n_steps ",
-                           options_.checkpoint_every_n_steps(),
-                           " must be >= 0 (0: at epoch ends only)"));
-    }
-    if (options_.checkpoint_every_n_steps() > 0 &&
-        options_.uneven_inputs() == UnevenInputs::join) {
-      throw UsageError(
-          "checkpoint_every_n_steps cannot be combined with "
-          "uneven_inputs(join): ranks with different batch counts cannot agree "
-          "on a step to checkpoint at");
-    }
-    if (options_.keep_best() < 0) {
-      throw UsageError(cat("keep_best ", options_.keep_best(),
-                           " must be >= 0 (0: no best checkpoints)"));
-    }
-    if (options_.progress().every_n_steps() < 0 ||
-        !(options_.progress().every_seconds() >= 0)) {
-      throw UsageError(cat("progress every ",
-                           options_.progress().every_n_steps(), " steps / ",
-                           options_.progress().every_seconds(),
-                           " s: both must be >= 0 (0: off)"));
-    }
-    if (options_.log_every_n_steps() < 0) {
-      throw UsageError(cat("log_every_n_steps ", options_.log_every_n_steps(),
-                           " must be >= 0 (0: never)"));
-    }
-    if (options_.accumulate() < 1) {
-      throw UsageError(cat("accumulate ", options_.accumulate(),
-                           " must be >= 1 (batches per optimizer step)"));
-    }
-    if (options_.accumulate() > 1 &&
-        options_.uneven_inputs() == UnevenInputs::join) {
-      throw UsageError(cat("accumulate ", options_.accumulate(),
-                           " cannot be combined with uneven_inputs(join): a "
-                           "rank that has run out cannot tell which of the "
-                           "others' batches communicate"));
-    }
-    options_.clip().check();
+    check_options(options_);
     optimizer_ =
         make_optimizer(parallel::as_module(engine_.module()).parameters());
     if (!optimizer_) throw UsageError("the optimizer factory returned nothing");
@@ -503,7 +341,8 @@ class Trainer : private CheckpointWriter {
         .add("final_" + r.monitor.name,
              r.history.empty() ? 0.0 : r.history.back().value(r.monitor.name));
     if (test) {
-      for (const auto& [name, value] : test->metrics) j.add("test_" + name, value);
+      for (const auto& [name, value] : test->metrics)
+        j.add("test_" + name, value);
     }
     if constexpr (requires { engine_.comm_name(); }) {
       j.add("comm", engine_.comm_name())
@@ -1151,15 +990,13 @@ class Trainer : private CheckpointWriter {
     if (state.epoch_batches_done == 0) return;
     const std::int64_t world = this->world();
     if (state.rng_ranks.size(0) != world) {
-      throw UsageError(
-          cat("checkpoint ", path.string(),
-              " was written in the middle of an epoch by ",
-              state.rng_ranks.size(0),
-              " ranks; it can only be resumed by as many (this run has ",
-              world,
-              "), since each rank's share of the epoch depends on it. Resume "
-              "from an epoch's end, or with ",
-              state.rng_ranks.size(0), " ranks"));
+      throw UsageError(cat(
+          "checkpoint ", path.string(),
+          " was written in the middle of an epoch by ", state.rng_ranks.size(0),
+          " ranks; it can only be resumed by as many (this run has ", world,
+          "), since each rank's share of the epoch depends on it. Resume "
+          "from an epoch's end, or with ",
+          state.rng_ranks.size(0), " ranks"));
     }
     mid_ = {state.epoch_batches_done, state.epoch_sums, state.rng_ranks};
     if (is_main() && options_.verbose()) {
@@ -1214,7 +1051,8 @@ class Trainer : private CheckpointWriter {
     row("lr_scaling", LRScaling::name);
     row("evaluation", Reduction::name);
     row("task", std::string(Task::name));
-    row("monitor", monitor_.name + " (" + std::string(monitor_.goal_name()) + ")");
+    row("monitor",
+        monitor_.name + " (" + std::string(monitor_.goal_name()) + ")");
     row("epochs", std::to_string(options_.epochs()));
     row("lr", num(options_.lr()));
     row("batch_size_per_rank", std::to_string(lo.batch_size()));
@@ -1229,34 +1067,6 @@ class Trainer : private CheckpointWriter {
     }
     row("torch", ddpkit::compat::torch_version());
     return md;
-  }
-
-  /// The monitored metric: the options' (checked against the task's
-  /// columns) or the task's own.
-  static Monitor resolve_monitor(const TrainerOptions& o) {
-    using ddpkit::detail::cat;
-    const auto columns = metric_columns<Task>();
-    Monitor m{std::string(Task::monitor.name), Task::monitor.goal};
-    if (!o.monitor().empty()) {
-      if (std::find(columns.begin(), columns.end(), o.monitor()) ==
-          columns.end()) {
-        throw UsageError(cat("monitor '", o.monitor(), "': the task ",
-                             Task::name, " has ",
-                             ddpkit::detail::join(columns, ", ")));
-      }
-      if (o.monitor_mode().empty() && o.monitor() != m.name) {
-        const std::string& n = o.monitor();
-        if (n.size() < 5 || n.compare(n.size() - 5, 5, "_loss") != 0) {
-          throw UsageError(cat("monitor '", n,
-                               "': say whether lower or higher is better "
-                               "(monitor_mode / --mode min or max)"));
-        }
-        m.goal = Goal::min;
-      }
-      m.name = o.monitor();
-    }
-    if (!o.monitor_mode().empty()) m.goal = parse_goal(o.monitor_mode());
-    return m;
   }
 
   static Model prepare(Model model, const dist::Group& g) {
@@ -1281,7 +1091,7 @@ class Trainer : private CheckpointWriter {
   struct MidEpoch {
     std::int64_t batches_done = 0;  ///< 0: at an epoch's end
     torch::Tensor sums;  ///< [loss sum, samples, task sums...], all ranks
-    torch::Tensor rng;              ///< [world, state]: each rank's generator
+    torch::Tensor rng;   ///< [world, state]: each rank's generator
   } mid_;
 };
 
