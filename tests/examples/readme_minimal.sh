@@ -20,7 +20,12 @@ if ! diff -u <(printf '%s\n' "$block") "$source"; then
   exit 1
 fi
 rm -rf "$work" && mkdir -p "$work" && cd "$work"
-"$binary"
+rc=0
+"$binary" || rc=$?
+if ((rc != 0)); then
+  echo "readme_minimal: $binary exited $rc (1: it did not reach val_rmse 0.1)" >&2
+  exit 1
+fi
 summary=runs/minimal/summary.json
 grep -q '"monitor": "val_rmse"' "$summary" || { echo "readme_minimal: $summary lacks the monitor val_rmse" >&2; exit 1; }
 grep -o '"best_val_rmse": [0-9.e-]*' "$summary"
