@@ -700,14 +700,7 @@ class Trainer : private CheckpointWriter {
     s.history.push_back(m);
     // Decisions use only values every rank holds, so every rank decides
     // the same.
-    const double v = m.value(s.monitor.name);
-    if (s.best_epoch == 0 ? !std::isnan(v) : s.monitor.better(v, s.best)) {
-      s.best = v;
-      s.best_epoch = m.epoch;
-      s.bad_epochs = 0;
-    } else {
-      ++s.bad_epochs;
-    }
+    rank_epoch(s, m);
     return m;
   }
 
@@ -971,15 +964,19 @@ class Trainer : private CheckpointWriter {
   static void rank_history(FitState& s) {
     s.best = std::numeric_limits<double>::quiet_NaN();
     s.best_epoch = s.bad_epochs = 0;
-    for (const auto& m : s.history) {
-      const double v = m.value(s.monitor.name);
-      if (s.best_epoch == 0 ? !std::isnan(v) : s.monitor.better(v, s.best)) {
-        s.best = v;
-        s.best_epoch = m.epoch;
-        s.bad_epochs = 0;
-      } else {
-        ++s.bad_epochs;
-      }
+    for (const auto& m : s.history) rank_epoch(s, m);
+  }
+
+  /// Counts epoch `m` towards the best (a better monitored value, the
+  /// first that is not NaN) or the bad epochs since.
+  static void rank_epoch(FitState& s, const EpochMetrics& m) {
+    const double v = m.value(s.monitor.name);
+    if (s.best_epoch == 0 ? !std::isnan(v) : s.monitor.better(v, s.best)) {
+      s.best = v;
+      s.best_epoch = m.epoch;
+      s.bad_epochs = 0;
+    } else {
+      ++s.bad_epochs;
     }
   }
 
