@@ -70,6 +70,21 @@ std::pair<torch::Tensor, torch::Tensor> unpack(const S& s) {
     return {std::get<0>(s), std::get<1>(s)};
   }
 }
+
+/// The samples' inputs and their targets, in two lists.
+template <class Sample>
+std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> unzip(
+    const std::vector<Sample>& samples) {
+  std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> out;
+  out.first.reserve(samples.size());
+  out.second.reserve(samples.size());
+  for (const auto& s : samples) {
+    auto [x, y] = unpack(s);
+    out.first.push_back(std::move(x));
+    out.second.push_back(std::move(y));
+  }
+  return out;
+}
 }  // namespace detail
 
 /// A dataset that makes whole batches, `get(indices)` returning
@@ -96,14 +111,7 @@ struct Stack {
   template <class Sample>
   Batch operator()(const std::vector<Sample>& samples,
                    torch::Generator&) const {
-    std::vector<torch::Tensor> xs, ys;
-    xs.reserve(samples.size());
-    ys.reserve(samples.size());
-    for (const auto& s : samples) {
-      auto [x, y] = detail::unpack(s);
-      xs.push_back(std::move(x));
-      ys.push_back(std::move(y));
-    }
+    const auto [xs, ys] = detail::unzip(samples);
     return {torch::stack(xs), torch::stack(ys)};
   }
 };
@@ -118,12 +126,7 @@ struct PadSequences {
   template <class Sample>
   Batch operator()(const std::vector<Sample>& samples,
                    torch::Generator&) const {
-    std::vector<torch::Tensor> xs, ys;
-    for (const auto& s : samples) {
-      auto [x, y] = detail::unpack(s);
-      xs.push_back(std::move(x));
-      ys.push_back(std::move(y));
-    }
+    const auto [xs, ys] = detail::unzip(samples);
     return {pad(xs, input_pad), pad(ys, target_pad)};
   }
 

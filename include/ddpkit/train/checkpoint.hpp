@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -315,6 +316,19 @@ inline int read_checkpoint_int(const Checkpoint& archive,
   return static_cast<int>(v);
 }
 
+/// The text `archive[key]`; a UsageError naming the file and key when it is
+/// missing or not text.
+inline std::string read_checkpoint_string(const Checkpoint& archive,
+                                          const std::string& key,
+                                          const std::filesystem::path& file) {
+  c10::IValue v;
+  if (!archive.try_read(key, v) || !v.isString()) {
+    throw UsageError(ddpkit::detail::cat("checkpoint ", file.string(), ": '",
+                                         key, "' is missing or not text"));
+  }
+  return v.toStringRef();
+}
+
 /// Every key of a Trainer's checkpoint, written and read here alone: the
 /// format, the model, the optimizer, where the run stands, the history, the
 /// CPU generators, and (from the Trainer) each stateful callback's state
@@ -335,8 +349,9 @@ struct TrainingState {
   int bad_epochs = 0;
   std::string monitor = "val_acc";  ///< the metric `best` is of
   std::string monitor_mode = "max";
-  std::int64_t world_size = 1;
-  std::int64_t seed = 0;
+  /// The writer's world size and seed (none in checkpoints before them).
+  std::optional<std::int64_t> world_size;
+  std::optional<std::int64_t> seed;
   double loss_scale = 1;
   /// Batches trained so far (TensorBoard's step axis); 0 when the
   /// checkpoint predates it (format 2).
@@ -344,7 +359,7 @@ struct TrainingState {
   std::vector<EpochMetrics> history;
   /// The task's history columns (train_<m>..., val_<m>...).
   std::vector<std::string> columns;
-  torch::Tensor rng_cpu;  ///< the writer's CPU generator
+  torch::Tensor rng_cpu;  ///< the writer's CPU generator (written only)
   /// Batches done in the unfinished epoch `epochs_done` (0: at an epoch's
   /// end), and what resuming there needs.
   std::int64_t epoch_batches_done = 0;
@@ -364,8 +379,8 @@ struct TrainingState {
     archive.write("bad_epochs", static_cast<std::int64_t>(bad_epochs));
     archive.write("monitor", monitor);
     archive.write("monitor_mode", monitor_mode);
-    archive.write("world_size", world_size);
-    archive.write("seed", seed);
+    archive.write("world_size", world_size.value_or(1));
+    archive.write("seed", seed.value_or(0));
     archive.write("loss_scale", loss_scale);
     archive.write("global_step", global_step);
     archive.write("epoch_batches_done", epoch_batches_done);
@@ -406,8 +421,8 @@ struct TrainingState {
     r.best_epoch = read_checkpoint_int(archive, "best_epoch", file, -1, kMax);
     r.bad_epochs = read_checkpoint_int(archive, "bad_epochs", file, 0, kMax);
     if (tasks) {
-      r.monitor = read_string(archive, "monitor", file);
-      r.monitor_mode = read_string(archive, "monitor_mode", file);
+      r.monitor = read_checkpoint_string(archive, "monitor", file);
+      r.monitor_mode = read_checkpoint_string(archive, "monitor_mode", file);
     } else if (r.best_epoch == 0) {
       r.best = std::numeric_limits<double>::quiet_NaN();  // was -1: none
     }
@@ -425,7 +440,7 @@ struct TrainingState {
     const std::string want = ddpkit::detail::join(columns, ",");
     const std::string had =
         archive.try_read("history_columns", v)
-            ? read_string(archive, "history_columns", file)
+            ? read_checkpoint_string(archive, "history_columns", file)
             : std::string("train_loss,train_acc,val_loss,val_acc");
     if (had != want) {
       throw UsageError(cat("checkpoint ", file.string(),
@@ -456,9 +471,6 @@ struct TrainingState {
         r.history.push_back(EpochMetrics::from_tensor(h[i], columns));
       }
     }
-    if (archive.try_read("rng_cpu", v) && v.isTensor()) {
-      r.rng_cpu = v.toTensor();
-    }
     if (!archive.try_read("epoch_batches_done", v)) return r;  // format 2
     r.epoch_batches_done =
         read_checkpoint_int(archive, "epoch_batches_done", file, 0, kMax);
@@ -485,18 +497,6 @@ struct TrainingState {
     r.epoch_sums = t;
     r.rng_ranks = rng.toTensor().cpu();
     return r;
-  }
-
- private:
-  static std::string read_string(const Checkpoint& archive,
-                                 const std::string& key,
-                                 const std::filesystem::path& file) {
-    c10::IValue v;
-    if (!archive.try_read(key, v) || !v.isString()) {
-      throw UsageError(ddpkit::detail::cat("checkpoint ", file.string(), ": '",
-                                           key, "' is missing or not text"));
-    }
-    return v.toStringRef();
   }
 };
 

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -24,6 +26,16 @@
 #include "ddpkit/detail/strings.hpp"
 
 namespace ddpkit::train {
+
+/// The value named `name` among named metrics, or null.
+inline const double* find_metric(
+    const std::vector<std::pair<std::string, double>>& metrics,
+    std::string_view name) {
+  for (const auto& [k, v] : metrics) {
+    if (k == name) return &v;
+  }
+  return nullptr;
+}
 
 /// One epoch's numbers, identical on every rank (times are rank 0's).
 ///
@@ -45,40 +57,41 @@ struct EpochMetrics {
   double lr = 0, seconds = 0, train_seconds = 0, val_seconds = 0,
          train_images_per_second = 0, epoch_images_per_second = 0;
 
-  /// Columns after the task's: lr, seconds, train_seconds, val_seconds and
-  /// the two throughputs.
-  static constexpr int kTimingFields = 6;
+  /// The columns after the task's, in order.
+  static constexpr std::array<std::string_view, 6> kTimingNames{
+      "lr",
+      "seconds",
+      "train_seconds",
+      "val_seconds",
+      "train_images_per_second",
+      "epoch_images_per_second"};
+  static constexpr int kTimingFields = kTimingNames.size();
   /// The history table's timing columns in checkpoints of format version 2
   /// (lr, seconds, images_per_second over the whole epoch); still read.
   static constexpr int kTimingFieldsV2 = 3;
+  /// The values of the columns after the task's, in `kTimingNames`' order.
+  std::array<double, 6> timings() const {
+    return {lr,
+            seconds,
+            train_seconds,
+            val_seconds,
+            train_images_per_second,
+            epoch_images_per_second};
+  }
 
   /// A task metric ("val_acc"), or one of the columns after them ("lr",
   /// "seconds", ...); a UsageError naming the columns if there is none.
   double value(std::string_view name) const {
-    for (const auto& [k, v] : task) {
-      if (k == name) return v;
-    }
-    const std::pair<std::string_view, double> rest[] = {
-        {"lr", lr},
-        {"seconds", seconds},
-        {"train_seconds", train_seconds},
-        {"val_seconds", val_seconds},
-        {"train_images_per_second", train_images_per_second},
-        {"epoch_images_per_second", epoch_images_per_second}};
-    for (const auto& [k, v] : rest) {
-      if (k == name) return v;
+    if (const double* v = find_metric(task, name)) return *v;
+    const auto t = timings();
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      if (kTimingNames[i] == name) return t[i];
     }
     std::vector<std::string> names;
     for (const auto& kv : task) names.push_back(kv.first);
     throw UsageError(ddpkit::detail::cat("no metric '", name,
                                          "' in an epoch's row; it has ",
                                          ddpkit::detail::join(names, ", ")));
-  }
-  bool has(std::string_view name) const {
-    for (const auto& kv : task) {
-      if (kv.first == name) return true;
-    }
-    return false;
   }
   double train_loss() const {
     return value("train_loss");
@@ -90,8 +103,8 @@ struct EpochMetrics {
   torch::Tensor to_tensor() const {
     std::vector<double> row{static_cast<double>(epoch)};
     for (const auto& kv : task) row.push_back(kv.second);
-    row.insert(row.end(), {lr, seconds, train_seconds, val_seconds,
-                           train_images_per_second, epoch_images_per_second});
+    const auto t = timings();
+    row.insert(row.end(), t.begin(), t.end());
     return torch::tensor(row, torch::kFloat64);
   }
   /// A row of 1 + names + `kTimingFields` numbers (or, from checkpoints of
@@ -130,8 +143,7 @@ using ddpkit::detail::num;
 inline std::vector<std::string> metrics_columns(const EpochMetrics& m) {
   std::vector<std::string> c{"epoch"};
   for (const auto& kv : m.task) c.push_back(kv.first);
-  c.insert(c.end(), {"lr", "seconds", "train_seconds", "val_seconds",
-                     "train_images_per_second", "epoch_images_per_second"});
+  for (std::string_view n : EpochMetrics::kTimingNames) c.emplace_back(n);
   return c;
 }
 
@@ -139,9 +151,7 @@ namespace detail {
 inline std::vector<std::string> metric_values(const EpochMetrics& m) {
   std::vector<std::string> v{std::to_string(m.epoch)};
   for (const auto& kv : m.task) v.push_back(num(kv.second));
-  v.insert(v.end(),
-           {num(m.lr), num(m.seconds), num(m.train_seconds), num(m.val_seconds),
-            num(m.train_images_per_second), num(m.epoch_images_per_second)});
+  for (double t : m.timings()) v.push_back(num(t));
   return v;
 }
 }  // namespace detail

@@ -208,12 +208,11 @@ struct Classification {
   std::array<double, 3> evaluation_sums(const torch::Tensor& out,
                                         const torch::Tensor& y) const {
     namespace F = torch::nn::functional;
-    const double loss =
-        F::cross_entropy(out, y,
-                         F::CrossEntropyFuncOptions().reduction(torch::kSum))
-            .template item<double>();
-    return {loss, out.argmax(1).eq(y).sum().template item<double>(),
-            static_cast<double>(y.size(0))};
+    auto s = sums(out, y, 0.0);
+    s[0] = F::cross_entropy(out, y,
+                            F::CrossEntropyFuncOptions().reduction(torch::kSum))
+               .template item<double>();
+    return s;
   }
   std::array<double, 2> finish(const std::array<double, 3>& s) const {
     if (s[2] <= 0) return {0.0, 0.0};
@@ -238,16 +237,13 @@ struct Regression {
   }
   std::array<double, 3> sums(const torch::Tensor& out, const torch::Tensor& y,
                              double loss) const {
-    check(out, y);
     const auto n = static_cast<double>(y.numel());
-    const torch::Tensor d =
-        out.detach().to(torch::kFloat64) - y.detach().to(torch::kFloat64);
-    return {loss * n, d.abs().sum().template item<double>(), n};
+    return {loss * n, error(out, y).abs().sum().template item<double>(), n};
   }
+  /// Evaluation sums the squared errors in float64.
   std::array<double, 3> evaluation_sums(const torch::Tensor& out,
                                         const torch::Tensor& y) const {
-    check(out, y);
-    const torch::Tensor d = out.to(torch::kFloat64) - y.to(torch::kFloat64);
+    const torch::Tensor d = error(out, y);
     return {d.square().sum().template item<double>(),
             d.abs().sum().template item<double>(),
             static_cast<double>(y.numel())};
@@ -264,6 +260,11 @@ struct Regression {
           "Regression: the model's output has shape ", out.sizes(),
           " but the target has ", y.sizes(), "; they must be equal"));
     }
+  }
+  /// out - y in float64, detached (shapes checked).
+  static torch::Tensor error(const torch::Tensor& out, const torch::Tensor& y) {
+    check(out, y);
+    return out.detach().to(torch::kFloat64) - y.detach().to(torch::kFloat64);
   }
 };
 
@@ -344,13 +345,26 @@ constexpr std::string_view sample_unit() {
   }
 }
 
+/// A task's finished metrics named `prefix` + its names ("train_loss").
+template <task_policy Task>
+std::vector<std::pair<std::string, double>> named_metrics(
+    const std::array<double, Task::metrics.size()>& values,
+    std::string_view prefix) {
+  std::vector<std::pair<std::string, double>> out;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    out.emplace_back(std::string(prefix) + std::string(Task::metrics[i]),
+                     values[i]);
+  }
+  return out;
+}
+
 /// The column names a task's metrics get: train_<m>..., val_<m>...
 template <task_policy Task>
 std::vector<std::string> metric_columns() {
   std::vector<std::string> names;
-  for (const char* phase : {"train_", "val_"}) {
+  for (std::string_view phase : {"train_", "val_"}) {
     for (std::string_view m : Task::metrics) {
-      names.push_back(phase + std::string(m));
+      names.push_back(std::string(phase) + std::string(m));
     }
   }
   return names;

@@ -74,9 +74,7 @@ struct EvalResult {
 
   /// A metric by its task name ("acc"); a UsageError if the task has none.
   double value(std::string_view name) const {
-    for (const auto& [k, v] : metrics) {
-      if (k == name) return v;
-    }
+    if (const double* v = find_metric(metrics, name)) return *v;
     throw UsageError(ddpkit::detail::cat("no metric '", name,
                                          "' in this task's evaluation"));
   }
@@ -283,11 +281,9 @@ class Trainer : private CheckpointWriter {
     EvalResult r;
     r.count = static_cast<int64_t>(sums[0].template item<double>());
     r.local_count = local;
-    const auto values = task_.finish(task_sums(sums.data_ptr<double>() + 1));
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      r.metrics.emplace_back(std::string(Task::metrics[i]), values[i]);
-    }
-    r.loss = values[0];
+    r.metrics = named_metrics<Task>(
+        task_.finish(task_sums(sums.data_ptr<double>() + 1)), "");
+    r.loss = r.metrics[0].second;
     return r;
   }
 
@@ -666,10 +662,8 @@ class Trainer : private CheckpointWriter {
     EpochMetrics m;
     m.epoch = s.epoch + 1;
     const double total = t[1].template item<double>();
-    const auto train = task_.finish(task_sums(t.data_ptr<double>() + 2));
-    for (std::size_t i = 0; i < train.size(); ++i) {
-      m.task.emplace_back("train_" + std::string(Task::metrics[i]), train[i]);
-    }
+    m.task = named_metrics<Task>(
+        task_.finish(task_sums(t.data_ptr<double>() + 2)), "train_");
     for (const auto& [name, value] : ev.metrics) {
       m.task.emplace_back("val_" + name, value);
     }
@@ -920,12 +914,12 @@ class Trainer : private CheckpointWriter {
       return 0;
     }
     auto archive = parse_checkpoint(bytes, path);
-    check_resume_settings(archive, path);
+    const auto state =
+        TrainingState::load(archive, path, metric_columns<Task>(), num_sums);
+    check_resume_settings(state, path);
     load_module_checked(parallel::as_module(engine_.module()), archive, "model",
                         path);
     load_optimizer_checked(*optimizer_, archive, path);
-    const auto state =
-        TrainingState::load(archive, path, metric_columns<Task>(), num_sums);
     const int done = state.epochs_done;
     s.history = state.history;
     if (state.monitor == s.monitor.name &&
@@ -1002,21 +996,20 @@ class Trainer : private CheckpointWriter {
     }
   }
 
-  void check_resume_settings(const Checkpoint& archive,
+  void check_resume_settings(const TrainingState& state,
                              const std::filesystem::path& path) {
     using ddpkit::detail::cat;
     const std::int64_t world = this->world();
     const auto seed = static_cast<std::int64_t>(options_.seed());
     std::string changes;
-    c10::IValue v;
-    if (archive.try_read("world_size", v) && v.isInt() && v.toInt() != world) {
-      changes += cat("world size ", v.toInt(), " -> ", world,
+    if (state.world_size && *state.world_size != world) {
+      changes += cat("world size ", *state.world_size, " -> ", world,
                      " (each rank's share of the data and the effective batch "
                      "change)");
     }
-    if (archive.try_read("seed", v) && v.isInt() && v.toInt() != seed) {
+    if (state.seed && *state.seed != seed) {
       changes +=
-          cat(changes.empty() ? "" : "; ", "seed ", v.toInt(), " -> ", seed,
+          cat(changes.empty() ? "" : "; ", "seed ", *state.seed, " -> ", seed,
               " (the sampler's order, augmentation and dropout draw "
               "differently from the original run)");
     }
