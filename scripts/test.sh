@@ -6,7 +6,7 @@
 #   1. torch 2.11 (the PyTorch wheel, CUDA 13.0 build: CUDA, NCCL and
 #      autocast code compiled and linked, run without a GPU): -O1 release
 #      build of tests, examples and benchmarks (build-test/), the CTest
-#      suite (the six doctest suites run in stage 2 instead, unless
+#      suite (the seven doctest suites run in stage 2 instead, unless
 #      DDPKIT_SANITIZE=0)
 #   2. torch 2.11: the unit and multi-process suites under AddressSanitizer
 #      + UBSan (CMake preset "asan-ubsan", build-asan/; without GCC's
@@ -15,7 +15,7 @@
 #   3. torch 2.11: short libFuzzer runs of the input parsers
 #      (scripts/fuzz.sh, build-fuzz/)
 #   4. torch 1.13 (Debian's libtorch-dev, CPU): -O1 build of the library's
-#      six doctest suites and the examples (build-test-113/), and their
+#      seven doctest suites and the examples (build-test-113/), and their
 #      CTest entries: unit, multi-process and example runs
 #
 # ddpkit's own code builds with -Wall -Wextra -Werror in stages 1 and 4.
@@ -85,7 +85,7 @@ sanitized_suites() {
   stamp "stage 2: torch 2.11, unit and multi-process suites under ASan + UBSan"
   cmake --preset asan-ubsan >/dev/null
   cmake --build --preset asan-ubsan -j "$jobs"
-  run_ctest "stage 2 (torch 2.11, ASan + UBSan, six suites)" --preset asan-ubsan -j "$jobs" --output-on-failure
+  run_ctest "stage 2 (torch 2.11, ASan + UBSan, seven suites)" --preset asan-ubsan -j "$jobs" --output-on-failure
 }
 
 if [[ "${1:-}" == "--sanitize" ]]; then
@@ -100,7 +100,7 @@ note "stage 0 (layers: scripts/check-layers.py; format: scripts/check-format.sh)
 
 stamp "stage 1: torch 2.11 (CUDA build, run without a GPU), release build and the CTest suite"
 build=${DDPKIT_BUILD_DIR:-build-test}
-# When stage 2 runs, the six doctest suites (ddpkit_tests) are built and run
+# When stage 2 runs, the seven doctest suites (ddpkit_tests) are built and run
 # there, under ASan + UBSan, rather than also here. The tests build at -O1:
 # half the compile time of -O3; speed is measured by
 # scripts/run-benchmarks.sh, which builds at -O3 in its own folder.
@@ -118,7 +118,7 @@ run_ctest "stage 1 (torch 2.11, CTest: examples, torchrun, compile-fail, cmake i
 if [[ "${DDPKIT_SANITIZE:-1}" != 0 ]]; then
   sanitized_suites
 else
-  note "stage 2 NOT RUN (DDPKIT_SANITIZE=0); the six suites ran in stage 1 instead"
+  note "stage 2 NOT RUN (DDPKIT_SANITIZE=0); the seven suites ran in stage 1 instead"
 fi
 
 if [[ "${DDPKIT_FUZZ_SECONDS:-20}" != 0 ]]; then
@@ -130,7 +130,7 @@ else
 fi
 
 if [[ "${DDPKIT_TORCH113:-1}" != 0 ]]; then
-  stamp "stage 4: torch 1.13 (Debian's libtorch-dev, CPU): the six suites and the examples"
+  stamp "stage 4: torch 1.13 (Debian's libtorch-dev, CPU): the seven suites and the examples"
   cmake -S . -B build-test-113 -G Ninja -DCMAKE_BUILD_TYPE=Release -DDDPKIT_TORCH=system \
     "-DCMAKE_CXX_FLAGS_RELEASE=$flags" \
     -DDDPKIT_BUILD_TESTS=ON -DDDPKIT_BUILD_EXAMPLES=ON -DDDPKIT_BUILD_BENCHMARKS=OFF \
@@ -141,15 +141,15 @@ if [[ "${DDPKIT_TORCH113:-1}" != 0 ]]; then
   # Not against 1.13: compile-fail and cmake_import (the same CMake and
   # concepts as stage 1), benchmarks, sanitizers and fuzzers; the char_lm
   # and minimal examples (CI time: the Trainer code they exercise runs in
-  # the six suites here, task_test's regression and sequence cases
+  # the seven suites here, task_test's regression and sequence cases
   # included; char_model.hpp was compiled and run against 1.13 by hand).
   # Two multi-host tests run here: multihost.collectives-across-hosts
   # (it needs ddpkit_tests, which stage 1 does not build) and DDP on 2 x 2
   # ranks equal to one process; stage 1 runs the other seven on 2.11 (the
   # same scripts: about 100 s here at stop 24).
-  run_ctest "stage 4 (torch 1.13, CTest: six suites, the cifar10 and flowers examples, torchrun, two multi-host tests; compile-fail, cmake import, char_lm, the minimal program, benchmarks, sanitizers, fuzzers are 2.11 only)" \
+  run_ctest "stage 4 (torch 1.13, CTest: seven suites, the cifar10 and flowers examples, torchrun, two multi-host tests; compile-fail, cmake import, char_lm, the minimal program, benchmarks, sanitizers, fuzzers are 2.11 only)" \
     --test-dir build-test-113 --output-on-failure -j "$jobs" --timeout 900 \
-    -R '^(dist|samplers|parallel|nn|data|train|example\..*|multihost\.collectives-across-hosts|multihost\.flowers-2x2-equals-single)$' \
+    -R '^(dist|samplers|parallel|nn|data|train|reliability|example\..*|multihost\.collectives-across-hosts|multihost\.flowers-2x2-equals-single)$' \
     -E '^example\.(char-lm-.*|readme-minimal)$'
 else
   note "stage 4 NOT RUN (DDPKIT_TORCH113=0)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles ddpkit, its tests and its examples against any torch release on
-# PyPI, in a throw-away environment, and runs the six doctest suites (unit
+# PyPI, in a throw-away environment, and runs the seven doctest suites (unit
 # and multi-process tests, CPU):
 #
 #   scripts/try-torch.sh 2.15.0            # build + run the suites
@@ -41,8 +41,8 @@ if ((run)); then
   # the newest torch: they use the main environment's Python (torch 2.11).
   export DDPKIT_PYTHON=$PWD/.venv/bin/python3
   (cd "$dir/build" && ctest --output-on-failure -j "$jobs" --timeout 900 \
-     -R '^(dist|samplers|parallel|nn|data|train)$')
-  ran="six doctest suites passed (interop against Python torch 2.11)"
+     -R '^(dist|samplers|parallel|nn|data|train|reliability)$')
+  ran="seven doctest suites passed (interop against Python torch 2.11)"
 fi
 cuda=$(echo "$info" | cut -d' ' -f2)
 echo "tested with: | $version | ${cuda} | library, tests, examples, benchmarks (built in ${built} s) | $ran | $(date +%Y-%m-%d) |"

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddpkit/detail/archive_check.hpp"
 #include "ddpkit/distributed.hpp"
 
 namespace ddpkit::test {
@@ -229,5 +230,18 @@ inline void save_tensor(const torch::Tensor& t,
                         const std::filesystem::path& p) {
   torch::save(t, p.string());
 }
+
+/// For tests of the checks behind the zip's CRC-32 (a damaged pickle, a
+/// bad offset): while one lives, `check_archive` skips the checksums, as
+/// it does for a file whose writer recorded none.
+struct WithoutZipChecksums {
+  WithoutZipChecksums() : was(ddpkit::detail::verify_zip_checksums()) {
+    ddpkit::detail::verify_zip_checksums() = false;
+  }
+  ~WithoutZipChecksums() {
+    ddpkit::detail::verify_zip_checksums() = was;
+  }
+  bool was;
+};
 
 }  // namespace ddpkit::test

@@ -102,7 +102,6 @@ int main(int argc, char** argv) {
           }
           if (Mode::is_multi_process) ddpkit::dist::barrier(group);
         }
-        fs::create_directories(out);
         auto folder = ddpkit::data::read_image_folder(
             root,
             ddpkit::data::ImageFolderOptions().seed(0).class_indices_json(""));
@@ -120,7 +119,13 @@ int main(int argc, char** argv) {
                   " holds; use another --out (or remove the old run's folder)");
             }
           } else {
-            std::ofstream(path) << json;
+            std::error_code ec;
+            fs::create_directories(out, ec);
+            if (ec) {
+              throw ddpkit::UsageError("output folder " + out.string() +
+                                       " cannot be created: " + ec.message());
+            }
+            ddpkit::detail::write_atomically(path, json);
           }
         }
         if (static_cast<int>(folder.classes.size()) != num_classes &&

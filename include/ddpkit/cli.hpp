@@ -30,6 +30,9 @@ struct CommonArgs {
   std::uint64_t seed = 42;
   std::string resume;                 ///< PATH or auto
   bool resume_allow_changes = false;  ///< resume with another world/seed
+  bool overwrite = false;             ///< start fresh over an earlier run
+  bool check_finite = true;           ///< stop on a non-finite loss/gradient
+  int skip_nonfinite = 0;             ///< non-finite steps skipped first
   std::int64_t max_steps = 0;         ///< cap on steps per epoch
   int threads = 1;                    ///< intra-op threads per rank
   int workers = 2;                    ///< loader threads
@@ -80,10 +83,22 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
       ->capture_default_str();
   app.add_option("--seed", args.seed, "seed")->capture_default_str();
   app.add_option("--resume", args.resume,
-                 "checkpoint PATH, or auto (OUT/checkpoints/last.pt)");
+                 "checkpoint PATH, or auto (OUT/checkpoints/last.pt; "
+                 "last-prev.pt if that is damaged; fresh if OUT is empty)");
   app.add_flag("--resume-allow-changes", args.resume_allow_changes,
                "resume even if the checkpoint was written with another world "
-               "size or seed (refused otherwise)");
+               "size, seed or training set (refused otherwise)");
+  app.add_flag("--overwrite", args.overwrite,
+               "start fresh in an output folder that holds an earlier run "
+               "(refused otherwise); its checkpoints are removed first");
+  app.add_flag("--check-finite,!--no-check-finite", args.check_finite,
+               "stop at a step whose loss or gradients are not finite, before "
+               "its update, naming the step and rank (on by default)");
+  app.add_option("--skip-nonfinite", args.skip_nonfinite,
+                 "skip up to N non-finite steps (not taken, not counted) "
+                 "before stopping")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--max-steps", args.max_steps,
                  "cap on steps per epoch (0: none)")
       ->check(CLI::NonNegativeNumber)
@@ -172,6 +187,9 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .out_dir(args.out)
       .resume(args.resume)
       .resume_allow_changes(args.resume_allow_changes)
+      .overwrite(args.overwrite)
+      .check_finite(args.check_finite)
+      .skip_nonfinite(args.skip_nonfinite)
       .max_steps(args.max_steps)
       .seed(args.seed)
       .verbose(!args.quiet)

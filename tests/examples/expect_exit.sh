@@ -15,7 +15,8 @@ for ((i = 0; i < ${#args[@]}; ++i)); do
     --out=*) outdir=${args[i]#--out=} ;;
   esac
 done
-snapshot() { (cd "$1" && find . -type f -print0 | sort -z | xargs -0r sha256sum); }
+# (OUT/.lock, the run lock, names whichever run held it last: not output.)
+snapshot() { (cd "$1" && find . -type f ! -path ./.lock -print0 | sort -z | xargs -0r sha256sum); }
 before=""
 existed=0
 if [[ -n $outdir && -e $outdir ]]; then

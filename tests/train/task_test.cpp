@@ -248,7 +248,10 @@ TEST_SUITE("train") {
     auto make = [&](const std::string& name, const std::string& mode) {
       SingleDeviceTrainer<Regressor, RankZeroEval, Regression> t(
           Regressor(), sgd_momentum(),
-          regression_options(dir.path()).monitor(name).monitor_mode(mode));
+          regression_options(dir.path())
+              .monitor(name)
+              .monitor_mode(mode)
+              .overwrite(true));  // one folder for every try
       return t
           .fit(make_regression(8, 1), make_regression(4, 2),
                data::LoaderOptions(4).workers(0))

@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/data/permutation.hpp"
+#include "ddpkit/detail/bytes.hpp"
 #include "ddpkit/detail/error.hpp"
 
 namespace ddpkit::data {
@@ -33,6 +34,26 @@ struct ImageTensors {
   }
   std::size_t num_classes() const {
     return classes.size();
+  }
+  /// What a checkpoint records to notice changed data at a resume: the
+  /// shape, the labels and the first and last 64 KiB of the images,
+  /// hashed ("tensors:<hash>"; cheap, not every pixel).
+  std::string fingerprint() const {
+    if (!images.defined()) return "";
+    const torch::Tensor img = images.contiguous();
+    const torch::Tensor lab = labels.contiguous().to(torch::kInt64);
+    const auto bytes = static_cast<std::size_t>(img.nbytes());
+    const std::string_view all(static_cast<const char*>(img.data_ptr()), bytes);
+    const std::size_t k = std::min<std::size_t>(bytes, 65536);
+    std::uint64_t h = ddpkit::detail::fnv1a(
+        ddpkit::detail::cat(img.sizes(), img.dtype().name()));
+    h = ddpkit::detail::fnv1a(all.substr(0, k), h);
+    h = ddpkit::detail::fnv1a(all.substr(bytes - k), h);
+    h = ddpkit::detail::fnv1a(
+        std::string_view(static_cast<const char*>(lab.data_ptr()),
+                         static_cast<std::size_t>(lab.nbytes())),
+        h);
+    return "tensors:" + ddpkit::detail::hex64(h);
   }
 
   /// The rows `indices`, in that order (a copy).

@@ -19,6 +19,8 @@
 
 #include "ddpkit/data/image_io.hpp"
 #include "ddpkit/data/samplers.hpp"
+#include "ddpkit/detail/atomic_file.hpp"
+#include "ddpkit/detail/bytes.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/json.hpp"
 
@@ -63,6 +65,20 @@ class ImageFiles {
   }
   const std::vector<ImageSample>& samples() const {
     return samples_;
+  }
+  /// What a checkpoint records to notice changed data at a resume: the
+  /// files' names, labels and sizes, hashed ("files:<hash>").
+  std::string fingerprint() const {
+    std::uint64_t h = ddpkit::detail::fnv1a("");
+    for (const auto& s : samples_) {
+      std::error_code ec;
+      const auto size = std::filesystem::file_size(s.path, ec);
+      h = ddpkit::detail::fnv1a(
+          ddpkit::detail::cat(s.path.string(), '\n', s.label, '\n',
+                              ec ? 0 : size, '\n'),
+          h);
+    }
+    return "files:" + ddpkit::detail::hex64(h);
   }
   const std::vector<std::string>& classes() const {
     return classes_;
@@ -125,8 +141,10 @@ struct ImageFolderOptions {
   TORCH_ARG(std::uint64_t, seed) = 0;
   /// File extensions taken, compared case-insensitively.
   TORCH_ARG(std::vector<std::string>, extensions) = { ".jpg", ".jpeg", ".png" };
-  /// Where to write class_indices.json (`{"0": "daisy", ...}`); empty: don't.
-  TORCH_ARG(std::filesystem::path, class_indices_json) = "class_indices.json";
+  /// Where to write class_indices.json (`{"0": "daisy", ...}`, atomically);
+  /// empty (default): don't. (The recipe writes it to the current folder;
+  /// the flowers example writes it into its output folder, rank 0 only.)
+  TORCH_ARG(std::filesystem::path, class_indices_json) = "";
   /// When images are decoded to tensors (`ImageBatch::tensors()`, or
   /// with `skip_corrupt`): decode JPEGs scaled down so both sides stay >=
   /// this (0: full size). `ImageNetTrain` / `ImageNetEval` ignore it on
@@ -235,12 +253,8 @@ inline ImageFolder read_image_folder(const std::filesystem::path& root,
         opts.val_ratio(), ")"));
   }
   if (!opts.class_indices_json().empty()) {
-    std::ofstream js(opts.class_indices_json());
-    js << class_indices_json(out.classes);
-    if (!js) {
-      throw UsageError(ddpkit::detail::cat("ImageFolder: cannot write ",
-                                           opts.class_indices_json().string()));
-    }
+    ddpkit::detail::write_atomically(opts.class_indices_json(),
+                                     class_indices_json(out.classes));
   }
   out.train = ImageFiles(std::move(train), out.classes, opts.decode_min_side(),
                          opts.skip_corrupt());

@@ -11,7 +11,8 @@
 // they have a known shape, checked here first:
 //
 // - the zip: every entry inside the file, stored or (code) deflated to at
-//   most deflate's largest ratio and 64 MiB;
+//   most deflate's largest ratio and 64 MiB, and every stored entry's bytes
+//   matching the CRC-32 its directory records;
 // - every pickle (`*.pkl`, `*_pkl`): no length field runs past its entry,
 //   no memo index is beyond its size, no storage claims more bytes than its
 //   record holds;
@@ -480,8 +481,16 @@ std::string pickle_problem(std::string_view p, const RecordSize& record_size) {
 struct ZipEntry {
   std::string name;
   std::uint64_t offset = 0, stored_size = 0, size = 0;
+  std::uint32_t crc = 0;  ///< as the central directory records it
   bool deflated = false;
 };
+
+/// Whether `check_archive` compares each stored entry's bytes with its
+/// CRC-32 (true; the fuzz targets turn it off to reach the parsers).
+inline bool& verify_zip_checksums() {
+  static bool on = true;
+  return on;
+}
 
 /// The largest uncompressed size of a deflated entry (OutputArchive
 /// deflates only its code entries, a few KB each).
@@ -554,6 +563,7 @@ inline std::vector<ZipEntry> read_zip_entries(std::string_view bytes,
       return entries;
     }
     const auto method = le(cdir, at + 10, 2);
+    const auto crc = static_cast<std::uint32_t>(le(cdir, at + 16, 4));
     std::uint64_t csize = le(cdir, at + 20, 4), usize = le(cdir, at + 24, 4);
     const auto name_len = le(cdir, at + 28, 2);
     const auto extra_len = le(cdir, at + 30, 2);
@@ -598,6 +608,7 @@ inline std::vector<ZipEntry> read_zip_entries(std::string_view bytes,
     entry.stored_size = csize;
     entry.size = usize;
     entry.deflated = method == 8;
+    entry.crc = crc;
     if (entry.offset > file_size ||
         entry.stored_size > file_size - entry.offset) {
       problem = cat("has an entry ", entry.name, " that ends past the file");
@@ -620,6 +631,21 @@ inline void check_archive(std::string_view bytes, const std::string& what,
   std::string problem;
   const auto entries = read_zip_entries(bytes, problem);
   if (!problem.empty()) throw refuse(problem);
+  // Bytes changed after writing (a bad disk, a flipped bit, a partial
+  // copy) show as a checksum mismatch. A CRC of 0 is what a writer that
+  // skips checksums records (torch.save with compute_crc32 off).
+  if (verify_zip_checksums()) {
+    for (const auto& e : entries) {
+      if (e.deflated || e.crc == 0) continue;
+      const auto got = crc32(bytes.substr(static_cast<std::size_t>(e.offset),
+                                          static_cast<std::size_t>(e.size)));
+      if (got != e.crc) {
+        throw refuse(cat("has an entry ", e.name,
+                         " whose bytes do not match its checksum (changed "
+                         "after it was written)"));
+      }
+    }
+  }
   // Every size libtorch will allocate is now bounded: read the code and
   // pickle entries through its file reader (which inflates).
   std::unordered_map<std::string, std::uint64_t> sizes;  // by name in archive

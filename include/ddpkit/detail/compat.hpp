@@ -36,12 +36,25 @@
     defined(DDPKIT_HAS_NCCL)
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
+#if defined(DDPKIT_HAS_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #define DDPKIT_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||         \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace ddpkit::compat {
+
+/// Makes CUDA device `index` this thread's current device (where ddpkit is
+/// built with CUDA; elsewhere nothing to do).
+inline void set_cuda_device(int index) {
+#if defined(DDPKIT_HAS_CUDA)
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+#else
+  (void)index;
+#endif
+}
 
 /// "2.11.0" / "1.13.1": the libtorch ddpkit was compiled against.
 inline std::string torch_version() {

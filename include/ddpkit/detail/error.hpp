@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // ddpkit's exception types. `UsageError` marks bad input from a user (a
-// variable, a file, a flag): front ends turn it into exit code 2.
+// variable, a file, a flag): front ends turn it into exit code 2; `IoError`
+// (the system refused a write: disk full, I/O error, quota) into 74.
 #pragma once
 
 #include <stdexcept>
@@ -19,6 +20,22 @@ class Error : public std::runtime_error {
 /// Bad input from the user: an environment variable, a file, a flag, a
 /// value. The message names what was wrong and what was expected.
 class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The system refused to read or write a file (ENOSPC, EIO, EDQUOT, ...):
+/// not the user's input but the machine's state. The message names the
+/// file and the system's error text; `launch` exits `kIoErrorExitCode`.
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Training produced a non-finite loss or gradient and stopped (see
+/// `TrainerOptions::skip_nonfinite`); the message names the step, the
+/// epoch and the first rank that saw it.
+class NonFiniteError : public Error {
  public:
   using Error::Error;
 };
@@ -55,5 +72,8 @@ class Interrupted : public Error {
 
 /// Exit code of a rank that stopped because a peer failed (EX_TEMPFAIL).
 inline constexpr int kPeerFailureExitCode = 75;
+
+/// Exit code of a run stopped by an `IoError` (EX_IOERR).
+inline constexpr int kIoErrorExitCode = 74;
 
 }  // namespace ddpkit

@@ -4,6 +4,7 @@
 // rendezvous every style runs the same code with the same `Group`.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -43,7 +44,8 @@ inline int world_size_from_args(int argc, char** argv) {
 /// Ranks other than 0 print nothing on stdout unless `DDPKIT_ALL_RANKS_PRINT`
 /// is set; errors go to stderr from any rank. A `UsageError` exits 2,
 /// `Interrupted` (training stopped on a signal after a checkpoint) 128 + the
-/// signal, any other exception 1.
+/// signal, an `IoError` (a write the system refused: disk full, I/O error)
+/// `kIoErrorExitCode` (74), any other exception 1.
 ///
 /// Example:
 /// ```
@@ -86,6 +88,9 @@ int launch(int argc, char** argv, int world_size, Fn&& fn,
   } catch (const Interrupted& e) {
     if (rank <= 0) std::fprintf(stderr, "%s\n", e.what());
     return 128 + e.signal();
+  } catch (const IoError& e) {
+    std::fprintf(stderr, "error (rank %d): %s\n", std::max(rank, 0), e.what());
+    return kIoErrorExitCode;
   } catch (const PeerFailure& e) {
     // Name the ranks (and hosts) that are gone, when some are.
     const std::string lost = group.unanswered(std::chrono::seconds(3));

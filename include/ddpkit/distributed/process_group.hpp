@@ -322,6 +322,17 @@ class Group {
       if (kind == BackendKind::nccl) {
 #if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && \
     defined(DDPKIT_HAS_NCCL)
+        // Each rank's CUDA work on its own GPU (PyTorch's recipes call
+        // torch.cuda.set_device(local_rank) first): otherwise every rank
+        // makes a context on GPU 0 and NCCL may pick the wrong device.
+        const auto gpus = torch::cuda::device_count();
+        if (env.local_rank >= static_cast<int>(gpus)) {
+          throw UsageError(cat("rank ", env.rank, " has LOCAL_RANK ",
+                               env.local_rank, " but this host has ", gpus,
+                               " CUDA device", gpus == 1 ? "" : "s",
+                               "; start at most that many ranks per host"));
+        }
+        ddpkit::compat::set_cuda_device(env.local_rank);
         return compat::make_nccl(
             prefixed, env.rank, env.world_size, timeout,
             opts.nccl_error_handling() == NcclErrorHandling::blocking_wait);

@@ -52,7 +52,8 @@ inline c10::Dict<std::string, torch::Tensor> state_dict(
 /// dict, which `model.load_state_dict` accepts.
 inline void save_state_dict(const torch::nn::Module& module,
                             const std::filesystem::path& path) {
-  // Through path.tmp and a rename: an interrupted save keeps the old file.
+  // Through a checked temporary and a rename: a failed save keeps the old
+  // file (detail/atomic_file.hpp).
   ddpkit::detail::write_atomically(
       path, ddpkit::compat::save_for_python(c10::IValue(state_dict(module))));
 }

@@ -40,6 +40,7 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/task.hpp"
@@ -279,12 +280,10 @@ class ModelCheckpoint {
         s.checkpoints->write(epoch_file(epoch));
         if (top.front() == epoch) {
           // best.pt names the same file: a hard link made beside it and
-          // renamed over it, so best.pt is always whole.
-          const fs::path tmp = d / "best.pt.link.tmp";
-          std::error_code ec;
-          fs::remove(tmp, ec);
-          fs::create_hard_link(epoch_file(epoch), tmp);
-          fs::rename(tmp, d / "best.pt");
+          // renamed over it (a copy where hard links are refused), so
+          // best.pt is always whole.
+          ddpkit::detail::link_or_copy_atomically(epoch_file(epoch),
+                                                  d / "best.pt");
         }
       }
     }

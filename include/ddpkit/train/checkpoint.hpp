@@ -106,10 +106,14 @@ class Checkpoint {
   c10::impl::GenericDict dict_;
 };
 
-/// Writes `checkpoint` to `path` atomically: `path.tmp` first, fsync,
-/// rename. Readers see the old file or the new one, never a partial one.
+/// Writes `checkpoint` to `path` atomically and durably (a unique
+/// temporary, every write checked, fsync, rename: detail/atomic_file.hpp).
+/// Readers see the old file or the new one, never a partial one; a failed
+/// write (disk full, I/O error) leaves the old file and throws `IoError`.
+/// With `keep_previous`, the old `path` is kept under that name.
 inline void atomic_save(const Checkpoint& checkpoint,
-                        const std::filesystem::path& path) {
+                        const std::filesystem::path& path,
+                        const std::filesystem::path& keep_previous = {}) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(path.parent_path(), ec);
@@ -126,7 +130,7 @@ inline void atomic_save(const Checkpoint& checkpoint,
                                          path.string(), ": ",
                                          e.what_without_backtrace()));
   }
-  ddpkit::detail::write_atomically(path, bytes);
+  ddpkit::detail::write_atomically(path, bytes, keep_previous);
 }
 
 /// Reads a checkpoint, turning every problem into a UsageError that names
@@ -336,7 +340,7 @@ inline std::string read_checkpoint_string(const Checkpoint& archive,
 ///
 /// Keys: format, format_version, torch_version, model, optimizer,
 /// epochs_done, best, best_epoch, bad_epochs, monitor, monitor_mode,
-/// world_size, seed, loss_scale, global_step, history, history_columns,
+/// world_size, seed, data_size, data_fingerprint, loss_scale, global_step, history, history_columns,
 /// rng_cpu, epoch_batches_done, and in mid-epoch checkpoints epoch_sums
 /// ([loss sum, samples, task sums...] over all ranks) and rng_cpu_ranks.
 /// Format 3 checkpoints (before tasks) have best_val_acc for best, no
@@ -352,6 +356,10 @@ struct TrainingState {
   /// The writer's world size and seed (none in checkpoints before them).
   std::optional<std::int64_t> world_size;
   std::optional<std::int64_t> seed;
+  /// The training set's size and fingerprint (its `fingerprint()`, "" for a
+  /// dataset without one) when written; none in checkpoints before them.
+  std::optional<std::int64_t> data_size;
+  std::string data_fingerprint;
   double loss_scale = 1;
   /// Batches trained so far (TensorBoard's step axis); 0 when the
   /// checkpoint predates it (format 2).
@@ -381,6 +389,10 @@ struct TrainingState {
     archive.write("monitor_mode", monitor_mode);
     archive.write("world_size", world_size.value_or(1));
     archive.write("seed", seed.value_or(0));
+    if (data_size) {
+      archive.write("data_size", *data_size);
+      archive.write("data_fingerprint", data_fingerprint);
+    }
     archive.write("loss_scale", loss_scale);
     archive.write("global_step", global_step);
     archive.write("epoch_batches_done", epoch_batches_done);
@@ -431,6 +443,11 @@ struct TrainingState {
       r.world_size = v.toInt();
     }
     if (archive.try_read("seed", v) && v.isInt()) r.seed = v.toInt();
+    if (archive.try_read("data_size", v)) {
+      r.data_size = read_checkpoint_int(archive, "data_size", file, 0, kMax);
+      r.data_fingerprint =
+          read_checkpoint_string(archive, "data_fingerprint", file);
+    }
     if (archive.try_read("global_step", v)) {
       r.global_step =
           read_checkpoint_int(archive, "global_step", file, 0, kMax);

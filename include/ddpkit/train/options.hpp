@@ -41,12 +41,36 @@ struct TrainerOptions {
   TORCH_ARG(int, patience) = 0;
   /// Where rank 0 writes metrics, checkpoints and the summary.
   TORCH_ARG(std::string, out_dir) = "runs/ddpkit";
-  /// "" (fresh), a checkpoint path, or "auto" (OUT/checkpoints/last.pt if
-  /// it exists).
+  /// "" (fresh), a checkpoint path, or "auto": OUT/checkpoints/last.pt if
+  /// it exists (OUT/checkpoints/last-prev.pt, the one before, when last.pt
+  /// is damaged or missing, with a warning); a fresh start when OUT holds
+  /// no earlier run, else an error (see `overwrite`).
   TORCH_ARG(std::string, resume) = "";
-  /// Resuming from a checkpoint written with another world size or seed is
-  /// refused (the sampler's order and each rank's share would change);
-  /// true resumes anyway and says what changes.
+  /// A run that does not resume into an OUT holding an earlier run's
+  /// checkpoints or metrics is refused (its outputs would be overwritten
+  /// one by one, and a `resume("auto")` could mix the two runs); true
+  /// starts fresh there, removing the earlier checkpoints/last*.pt and
+  /// best*.pt first. Whatever this says, one run at a time holds OUT (a
+  /// lock, OUT/.lock): a second is refused, naming the first's process.
+  TORCH_ARG(bool, overwrite) = false;
+  /// After each optimizer step's backward the ranks agree whether every
+  /// rank's loss and the averaged gradients are finite (folded into the
+  /// per-step agreement on signals, no extra collective when that runs).
+  /// A non-finite step is not taken; with `skip_nonfinite` 0 (default)
+  /// training stops with a NonFiniteError naming the step, the epoch and
+  /// the first rank whose loss was non-finite, and the checkpoints keep the
+  /// last good weights. false: no check. Mixed precision keeps its loss
+  /// scaler's rule instead.
+  TORCH_ARG(bool, check_finite) = true;
+  /// Skip (do not take, do not count in the metrics) up to this many
+  /// non-finite steps over the run, each reported, before stopping.
+  TORCH_ARG(int, skip_nonfinite) = 0;
+  /// Resuming from a checkpoint written with another world size or seed,
+  /// or with another training set (its size, or the `fingerprint()` of
+  /// ImageFiles / ImageTensors: file names, labels and sizes; shape,
+  /// labels and the images' first and last 64 KiB) is refused (the
+  /// sampler's order and each rank's share would change); true resumes
+  /// anyway and says what changed.
   TORCH_ARG(bool, resume_allow_changes) = false;
   /// Cap on steps per epoch (0: no cap), for smoke runs and benchmarks.
   TORCH_ARG(int64_t, max_steps) = 0;
@@ -180,6 +204,11 @@ inline void check_options(const TrainerOptions& o) {
                          " cannot be combined with uneven_inputs(join): a "
                          "rank that has run out cannot tell which of the "
                          "others' batches communicate"));
+  }
+  if (o.skip_nonfinite() < 0) {
+    throw UsageError(cat("skip_nonfinite ", o.skip_nonfinite(),
+                         " must be >= 0 (0: stop at the first non-finite "
+                         "step)"));
   }
   o.clip().check();
 }

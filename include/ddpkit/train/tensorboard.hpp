@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/detail/bytes.hpp"
 #include "ddpkit/detail/error.hpp"
 
@@ -174,22 +175,19 @@ class TensorBoardWriter {
     add_value(v, step);
   }
 
-  /// Appends what was added since the last flush and syncs it to disk.
+  /// Appends what was added since the last flush and syncs it to disk. A
+  /// refused write (disk full, I/O error) cuts the file back to the last
+  /// whole record and throws IoError naming the file.
   void flush() {
-    std::size_t done = 0;
-    while (done < pending_.size()) {
-      const ssize_t n =
-          ::write(fd_, pending_.data() + done, pending_.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        throw std::runtime_error(
-            ddpkit::detail::cat("writing TensorBoard file ", path_.string(),
-                                ": ", std::strerror(errno)));
-      }
-      done += static_cast<std::size_t>(n);
+    const off_t start = ::lseek(fd_, 0, SEEK_END);
+    int err = ddpkit::detail::write_all(fd_, pending_);
+    if (err == 0 && ::fsync(fd_) != 0 && errno != EINVAL) err = errno;
+    if (err != 0) {
+      if (start >= 0 && ::ftruncate(fd_, start) == 0) ::fsync(fd_);
+      throw ddpkit::detail::io_error("cannot write TensorBoard file", path_,
+                                     err);
     }
     pending_.clear();
-    ::fsync(fd_);
   }
 
   const std::filesystem::path& path() const {

@@ -42,6 +42,7 @@
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/options.hpp"
 #include "ddpkit/train/reduction.hpp"
+#include "ddpkit/train/run_folder.hpp"
 #include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/task.hpp"
 #include "ddpkit/train/tensorboard.hpp"
@@ -190,7 +191,7 @@ class Trainer : private CheckpointWriter {
     };
     FitScope scope(*this, callbacks...);
     FitState& s = scope.state;
-    begin_fit(s, train.size());
+    begin_fit(s, train.size(), data_fingerprint(train));
     SignalFlag signals(options_.checkpoint_on_signal());
     Sampler sampler(train.size(),
                     data::ShardSpec{.rank = rank(),
@@ -205,9 +206,9 @@ class Trainer : private CheckpointWriter {
       restore_generator();            // resuming mid-epoch: as it was there
       std::vector<data::Batch> step;  // one optimizer step's batches
       while (next_step(batches, step)) {
-        train_step(step, s, emit);
+        const int sig = train_step(step, s, signals, emit);
         emit(StepEnd{s});
-        if (const int sig = join_ ? 0 : agreed_signal(signals)) {
+        if (sig != 0) {
           stop_on_signal(s, sig, /*mid_epoch=*/true, emit);
         }
       }
@@ -447,9 +448,37 @@ class Trainer : private CheckpointWriter {
     }
   }
 
+  /// Runs `fn` on rank 0; a UsageError or IoError it throws is thrown on
+  /// every rank (one broadcast), so no rank waits for one that failed.
+  template <class Fn>
+  void on_main_or_fail(Fn&& fn) {
+    std::int64_t kind = 0;  // 0 fine, 1 usage, 2 I/O
+    std::string error;
+    if (is_main()) {
+      try {
+        fn();
+      } catch (const UsageError& e) {
+        if (!multi()) throw;
+        kind = 1;
+        error = e.what();
+      } catch (const IoError& e) {
+        if (!multi()) throw;
+        kind = 2;
+        error = e.what();
+      }
+    }
+    if (!multi()) return;
+    kind = dist::broadcast_value(group_, kind, 0);
+    if (kind == 0) return;
+    error = dist::broadcast_string(group_, error, 0);
+    if (kind == 2) throw IoError(error);
+    throw UsageError(error);
+  }
+
   /// Checks what must hold before training (a writable output folder, the
   /// same dataset on every rank) and resumes.
-  void begin_fit(FitState& s, std::size_t train_size) {
+  void begin_fit(FitState& s, std::size_t train_size,
+                 const std::string& fingerprint) {
     namespace fs = std::filesystem;
     using ddpkit::detail::cat;
     s.out = options_.out_dir();
@@ -459,14 +488,10 @@ class Trainer : private CheckpointWriter {
     s.module = &parallel::as_module(engine_.module());
     s.checkpoints = this;
     s.monitor = monitor_;
-    if (is_main()) {
-      std::error_code ec;
-      fs::create_directories(s.out, ec);
-      if (ec || access(s.out.c_str(), W_OK) != 0) {
-        throw UsageError(
-            cat("output folder ", s.out.string(), " is not writable"));
-      }
-    }
+    // Rank 0 makes, locks and checks OUT; every rank fails alike if not.
+    on_main_or_fail([&] {
+      if (!run_lock_.held()) run_lock_ = prepare_output_folder(s.out, options_);
+    });
     join_ = multi() && options_.uneven_inputs() == UnevenInputs::join;
     if (join_ && !can_join) {
       throw UsageError(
@@ -479,6 +504,8 @@ class Trainer : private CheckpointWriter {
                  first, "; every rank must read the same dataset");
     });
     mid_ = {};
+    data_size_ = static_cast<std::int64_t>(train_size);
+    data_fingerprint_ = fingerprint;
     s.epoch = try_resume(s);
     s.last_checkpoint_step = s.global_step;
   }
@@ -573,10 +600,12 @@ class Trainer : private CheckpointWriter {
   }
 
   /// Forward and backward over the step's batches (communicating on the
-  /// last only), then unscale, clip and step; `BatchEnd` per batch.
+  /// last only); the ranks agree on a pending signal and on whether the
+  /// step is finite; then unscale, clip and step; `BatchEnd` per batch.
+  /// Returns the signal every rank agreed on (0: none).
   template <class Emit>
-  void train_step(const std::vector<data::Batch>& step, FitState& s,
-                  Emit& emit) {
+  int train_step(const std::vector<data::Batch>& step, FitState& s,
+                 const SignalFlag& signals, Emit& emit) {
     // Each batch's loss counts by its share of the step's samples, so the
     // summed gradients are those of the joined batch.
     double step_samples = 0;
@@ -627,9 +656,20 @@ class Trainer : private CheckpointWriter {
                               : o.loss.template item<double>() / factor;
       done.push_back({loss, n, task_.sums(o.output, y, loss)});
     }
-    // The gradients are averaged now; unscale (AMP: one fused pass, one
-    // host sync, and the step is skipped everywhere if any rank
-    // overflowed), clip, step.
+    // The gradients are averaged now. The ranks agree on a signal and on
+    // whether the step is finite (one small all-reduce);
+    bool loss_finite = true;
+    for (const Done& d : done)
+      loss_finite = loss_finite && std::isfinite(d.loss);
+    const bool check = options_.check_finite() && !amp;
+    const Agreement a =
+        agree_on_step(signals, loss_finite, !check || grads_finite(*s.module));
+    if (check && (a.nonfinite_rank >= 0 || a.nonfinite_grads)) {
+      skip_or_stop_nonfinite(s, a, done.size());
+      return a.signal;
+    }
+    // unscale (AMP: one fused pass, one host sync, and the step is skipped
+    // everywhere if any rank overflowed), clip, step.
     if (!amp || engine_.unscale_and_check(scaler_)) {
       if (options_.clip().enabled()) {
         clip_gradients(s.module->parameters(), options_.clip());
@@ -644,6 +684,94 @@ class Trainer : private CheckpointWriter {
       ++s.global_step;
       emit(BatchEnd{s, d.loss});
     }
+    return a.signal;
+  }
+
+  /// What the ranks agreed after a step's backward.
+  struct Agreement {
+    int signal = 0;           ///< SIGTERM/SIGINT any rank received (0: none)
+    int nonfinite_rank = -1;  ///< first rank whose loss was not finite
+    bool nonfinite_grads = false;  ///< the averaged gradients were not
+  };
+
+  /// One all-reduce (max) of [signal, world - first bad rank, bad grads]
+  /// where the ranks communicate per step anyway; the local view where
+  /// they cannot (one process; join, where ranks step unevenly).
+  Agreement agree_on_step(const SignalFlag& signals, bool loss_finite,
+                          bool grads_finite) const {
+    Agreement a;
+    const bool check = options_.check_finite();
+    if (multi() && !join_ && (signals.armed() || check)) {
+      auto t =
+          torch::tensor(
+              {static_cast<std::int64_t>(signals.pending()),
+               static_cast<std::int64_t>(loss_finite ? 0 : world() - rank()),
+               static_cast<std::int64_t>(grads_finite ? 0 : 1)},
+              torch::kInt64)
+              .to(group_.device());
+      dist::all_reduce(group_, t, dist::Reduce::max);
+      t = t.cpu();
+      const auto* v = t.data_ptr<std::int64_t>();
+      a.signal = static_cast<int>(v[0]);
+      a.nonfinite_rank = v[1] > 0 ? world() - static_cast<int>(v[1]) : -1;
+      a.nonfinite_grads = v[2] != 0;
+      return a;
+    }
+    a.signal = join_ ? 0 : signals.pending();
+    a.nonfinite_rank = loss_finite ? -1 : rank();
+    a.nonfinite_grads = !grads_finite;
+    return a;
+  }
+
+  /// Whether every gradient of `module` is finite (one host sync).
+  static bool grads_finite(const torch::nn::Module& module) {
+    std::vector<torch::Tensor> flags;
+    for (const auto& p : module.parameters()) {
+      if (p.grad().defined()) flags.push_back(torch::isfinite(p.grad()).all());
+    }
+    return flags.empty() || torch::stack(flags).all().template item<bool>();
+  }
+
+  /// A step whose loss or gradients were not finite, not taken: skipped
+  /// (and reported) while `skip_nonfinite` allows, else a NonFiniteError
+  /// on every rank.
+  void skip_or_stop_nonfinite(FitState& s, const Agreement& a,
+                              std::size_t batches) {
+    using ddpkit::detail::cat;
+    engine_.zero_grad();
+    const std::string what =
+        a.nonfinite_rank >= 0
+            ? cat("non-finite loss on rank ", a.nonfinite_rank,
+                  multi() ? " (the first rank whose loss was not finite)" : "")
+            : cat("non-finite gradients",
+                  multi() ? " (averaged over the ranks; every rank's loss "
+                            "was finite)"
+                          : " (the loss was finite)");
+    const std::string where =
+        cat("step ", s.global_step + 1, " (epoch ", s.epoch + 1, ", batch ",
+            s.step + 1, " of ", s.steps, ")");
+    if (skipped_steps_ < options_.skip_nonfinite()) {
+      ++skipped_steps_;
+      if (is_main()) {
+        std::fprintf(stderr,
+                     "warning: %s at %s: step skipped (%d of %d allowed)\n",
+                     what.c_str(), where.c_str(), skipped_steps_,
+                     options_.skip_nonfinite());
+      }
+      s.step += batches;  // consumed, not counted in the metrics
+      s.global_step += static_cast<std::int64_t>(batches);
+      return;
+    }
+    throw NonFiniteError(cat(
+        what, " at ", where, "; the step was not taken, so the weights (and ",
+        options_.checkpoints() ? "checkpoints/last.pt" : "the model",
+        ") are the last finite ones",
+        options_.skip_nonfinite() > 0
+            ? cat(" (", skipped_steps_, " such steps skipped already)")
+            : std::string(),
+        ". Lower the learning rate, clip the gradients (clip / "
+        "--clip-grad-norm), or skip such steps (skip_nonfinite / "
+        "--skip-nonfinite N)"));
   }
 
   /// Reduces the epoch's training metrics, evaluates, times, and keeps the
@@ -725,14 +853,6 @@ class Trainer : private CheckpointWriter {
       s.stop_reason = "stopped: a callback on another rank asked to";
     }
     return static_cast<int>(t[0].template item<std::int64_t>());
-  }
-
-  /// The signal any rank has received (0: none), the same on every rank.
-  int agreed_signal(const SignalFlag& signals) const {
-    if (!signals.armed()) return 0;
-    return multi() ? dist::all_reduce_value(group_, signals.pending(),
-                                            dist::Reduce::max)
-                   : signals.pending();
   }
 
   /// Every rank: a checkpoint where the run stands (mid-epoch: written
@@ -855,6 +975,8 @@ class Trainer : private CheckpointWriter {
     t.monitor_mode = std::string(s.monitor.goal_name());
     t.world_size = world();
     t.seed = static_cast<int64_t>(options_.seed());
+    t.data_size = data_size_;
+    t.data_fingerprint = data_fingerprint_;
     t.loss_scale = scaler_.scale();
     t.global_step = s.global_step;
     t.history = s.history;
@@ -863,10 +985,38 @@ class Trainer : private CheckpointWriter {
     t.epoch_batches_done = mid_.batches_done;
     t.epoch_sums = mid_.sums;
     t.rng_ranks = mid_.rng;
+    torch::nn::Module& module = parallel::as_module(engine_.module());
+    require_finite_weights(module, path);
     Checkpoint archive;
-    t.save(archive, parallel::as_module(engine_.module()), *optimizer_);
+    t.save(archive, module, *optimizer_);
     for (const auto& c : callback_states_) archive.write(c.key, c.save());
-    atomic_save(archive, path);
+    // last.pt: the one before stays as last-prev.pt until this one is
+    // durable, for a resume that finds last.pt damaged.
+    const std::filesystem::path out(options_.out_dir());
+    atomic_save(archive, path,
+                path == last_checkpoint(out) ? previous_checkpoint(out)
+                                             : std::filesystem::path());
+  }
+
+  /// A checkpoint never holds non-finite weights: refuses naming the first
+  /// parameter or buffer that has one.
+  static void require_finite_weights(const torch::nn::Module& module,
+                                     const std::filesystem::path& path) {
+    for (const auto& kv : module.named_parameters()) {
+      if (!torch::isfinite(kv.value()).all().template item<bool>()) {
+        throw NonFiniteError(ddpkit::detail::cat(
+            "refusing to write checkpoint ", path.string(), ": parameter '",
+            kv.key(), "' holds non-finite values"));
+      }
+    }
+    for (const auto& kv : module.named_buffers()) {
+      if (kv.value().is_floating_point() &&
+          !torch::isfinite(kv.value()).all().template item<bool>()) {
+        throw NonFiniteError(ddpkit::detail::cat(
+            "refusing to write checkpoint ", path.string(), ": buffer '",
+            kv.key(), "' holds non-finite values"));
+      }
+    }
   }
 
   int try_resume(FitState& s) {
@@ -874,9 +1024,6 @@ class Trainer : private CheckpointWriter {
     using ddpkit::detail::cat;
     const std::string& what = options_.resume();
     if (what.empty()) return 0;
-    const fs::path path = what == "auto" ? fs::path(options_.out_dir()) /
-                                               "checkpoints" / "last.pt"
-                                         : fs::path(what);
     // Rank 0 alone reads the file (only rank 0 writes checkpoints, so on a
     // second host without a shared filesystem the others have none) and
     // sends its bytes; every rank parses the same bytes, so every rank
@@ -884,15 +1031,19 @@ class Trainer : private CheckpointWriter {
     // 2 rank 0's error message follows.
     std::int64_t status = 0;
     std::string bytes;
+    fs::path path =
+        what == "auto" ? last_checkpoint(options_.out_dir()) : fs::path(what);
     if (is_main()) {
       try {
-        if (what != "auto" || fs::is_regular_file(path)) {
-          if (!fs::is_regular_file(path)) {
-            throw UsageError(
-                cat("checkpoint ", path.string(), " does not exist"));
-          }
-          bytes = ddpkit::detail::read_whole_file(
-              path, "checkpoint " + path.string());
+        auto src = read_resume_source(
+            what, options_.out_dir(),
+            [&](const std::string& b, const fs::path& p) {
+              auto a = parse_checkpoint(b, p);
+              TrainingState::load(a, p, metric_columns<Task>(), num_sums);
+            });
+        if (src) {
+          path = src->path;
+          bytes = std::move(src->bytes);
           status = 1;
         }
       } catch (const std::exception& e) {
@@ -903,7 +1054,10 @@ class Trainer : private CheckpointWriter {
     }
     if (multi()) {
       status = dist::broadcast_value(group_, status, 0);
-      if (status != 0) bytes = dist::broadcast_string(group_, bytes, 0);
+      if (status != 0) {
+        bytes = dist::broadcast_string(group_, bytes, 0);
+        path = dist::broadcast_string(group_, path.string(), 0);
+      }
     }
     if (status == 2) throw UsageError(bytes);
     if (status == 0) {
@@ -1013,6 +1167,19 @@ class Trainer : private CheckpointWriter {
               " (the sampler's order, augmentation and dropout draw "
               "differently from the original run)");
     }
+    if (state.data_size && *state.data_size != data_size_) {
+      changes += cat(changes.empty() ? "" : "; ", "the training set had ",
+                     *state.data_size, " samples, now ", data_size_,
+                     " (files added or removed? the sampler's order and a "
+                     "mid-epoch position change)");
+    } else if (state.data_size && !state.data_fingerprint.empty() &&
+               !data_fingerprint_.empty() &&
+               state.data_fingerprint != data_fingerprint_) {
+      changes += cat(changes.empty() ? "" : "; ", "the training set has ",
+                     data_size_, " samples as before but other contents (",
+                     state.data_fingerprint, " -> ", data_fingerprint_,
+                     ": files renamed, replaced or relabelled)");
+    }
     if (changes.empty()) return;
     if (!options_.resume_allow_changes()) {
       throw UsageError(
@@ -1074,7 +1241,25 @@ class Trainer : private CheckpointWriter {
   LossScaler scaler_;
   bool join_ = false;         ///< this fit runs uneven_inputs(join)
   torch::Tensor resume_rng_;  ///< set by a mid-epoch resume until applied
-  FitState* fit_ = nullptr;   ///< the fit running (for checkpoints)
+  ddpkit::detail::RunLock
+      run_lock_;                  ///< rank 0: OUT held from the first fit on
+  int skipped_steps_ = 0;         ///< non-finite steps skipped in this process
+  std::int64_t data_size_ = 0;    ///< the training set's, for checkpoints
+  std::string data_fingerprint_;  ///< its `fingerprint()`, or ""
+
+  /// `d.fingerprint()` where the dataset has one (ImageFiles,
+  /// ImageTensors), else "": recorded in checkpoints, compared at resume.
+  template <class Dataset>
+  static std::string data_fingerprint(const Dataset& d) {
+    if constexpr (requires {
+                    { d.fingerprint() } -> std::convertible_to<std::string>;
+                  }) {
+      return d.fingerprint();
+    } else {
+      return "";
+    }
+  }
+  FitState* fit_ = nullptr;  ///< the fit running (for checkpoints)
   std::vector<CallbackState> callback_states_;  ///< the fit's, by key
   /// Where an unfinished epoch stands: saved in mid-epoch checkpoints, and
   /// read from one until the resumed epoch starts.
