@@ -9,4 +9,5 @@ cd "$(dirname "$0")/.."
 build=${DDPKIT_BUILD_DIR:-build}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDDPKIT_BUILD_EXAMPLES=ON >/dev/null
 cmake --build "$build" --target cifar10-ddp -j "$(nproc)"
-exec "$build/bin/cifar10-ddp" --world-size 2 --epochs 6 --out runs/demo-cifar10-ddp "$@"
+# --overwrite: running the demo again starts over in the same folder.
+exec "$build/bin/cifar10-ddp" --world-size 2 --epochs 6 --out runs/demo-cifar10-ddp --overwrite "$@"
