@@ -533,8 +533,10 @@ TEST_SUITE("dist") {
   }
 
   DDPKIT_WORKER(rendezvous_missing_rank) {
-    // Rank 1 never joins; rank 0 must give up with a clear error.
-    if (dist::read_env().rank == 1) {
+    // Rank MISSING (default 1) never joins; the other must give up with a
+    // clear error.
+    const char* missing = std::getenv("T_MISSING");
+    if (dist::read_env().rank == (missing ? std::atoi(missing) : 1)) {
       std::this_thread::sleep_for(std::chrono::seconds(20));
       return 0;
     }
@@ -724,6 +726,24 @@ TEST_SUITE("dist") {
       CHECK(msg.find("waiting for 2 ranks (1 joined") != std::string::npos);
       CHECK(secs < 15);
     }
+  }
+
+  TEST_CASE(
+      "rendezvous without rank 0 (the store's host): the other rank fails "
+      "within the timeout naming the address, the port and what to check") {
+    TempDir dir;
+    auto [res, secs] = test::timed_run_workers(
+        "rendezvous_missing_rank", 2, dir.str(),
+        {{"DDPKIT_INIT_METHOD", "env://"}, {"T_MISSING", "0"}});
+    CHECK(res.exit_code == 4);
+    std::ifstream in(dir / "error.txt");
+    std::string msg((std::istreambuf_iterator<char>(in)), {});
+    MESSAGE(msg);
+    CHECK(msg.find("rank 1: cannot reach the rendezvous store at 127.0.0.1:") !=
+          std::string::npos);
+    CHECK(msg.find("check that rank 0 is running") != std::string::npos);
+    // The 2 s timeout, plus libtorch's retry delay (up to ~4 s), plus start.
+    CHECK(secs < 15);
   }
 
 }  // TEST_SUITE("dist")

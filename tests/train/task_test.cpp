@@ -273,3 +273,6 @@ TEST_SUITE("train") {
     CHECK(make("train_loss", "").goal == train::Goal::min);
   }
 }
+
+// The "reliability" suite, in this translation unit (see its header).
+#include "reliability_cases.hpp"  // NOLINT(build/include)

@@ -137,6 +137,19 @@ inline compat::StorePtr rendezvous(const DistEnv& env,
                          ": the port is already in use (choose another "
                          "MASTER_PORT)"));
   }
+  if (env.rank != 0 && host.rfind("file://", 0) != 0 &&
+      what.find("connect") != std::string::npos) {
+    // No store answered: rank 0 (its host) is not running, or the address
+    // does not lead there (a wrong MASTER_ADDR, a firewall, a partition).
+    throw DistError(cat(
+        "rank ", env.rank, ": cannot reach the rendezvous store at ", host, ":",
+        port, " within ", timeout.count() / 1000.0,
+        " s; rank 0 hosts it: check that rank 0 is running, that ", host,
+        " is rank 0's host as this host reaches it (MASTER_ADDR), and that "
+        "nothing drops TCP port ",
+        port, " between them (e.g. `nc -zv ", host, " ", port,
+        "` from here while rank 0 runs): ", ddpkit::detail::first_line(what)));
+  }
   throw DistError(cat("rank ", env.rank, ": rendezvous at ", host, ":", port,
                       " failed within ", timeout.count() / 1000.0,
                       " s waiting for ", env.world_size,

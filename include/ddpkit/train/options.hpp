@@ -93,8 +93,9 @@ struct TrainerOptions {
   TORCH_ARG(std::int64_t, checkpoint_every_n_steps) = 0;
   /// SIGTERM or SIGINT during `fit` (what torchrun, SLURM and Ctrl-C send
   /// before killing) stops training at the next batch boundary instead of
-  /// at once: the ranks agree on the batch (one 8-byte all-reduce per
-  /// optimizer step), rank 0 writes checkpoints/last.pt there (as
+  /// at once: the ranks agree on the batch (in the per-step all-reduce of
+  /// `check_finite`, after each step's backward; a signal that arrives
+  /// after it is acted on at the next step), rank 0 writes checkpoints/last.pt there (as
   /// `checkpoint_every_n_steps` does, resumable with `resume("auto")`), and
   /// `fit` throws `Interrupted` (`launch` exits 128 + the signal). A signal
   /// during evaluation stops after the epoch's checkpoint. A second signal

@@ -2,7 +2,10 @@
 // disk during a write keeps the old file and names the error; one run per
 // output folder; a fresh run does not silently write over an earlier one;
 // a non-finite step stops every rank (or is skipped) before its update;
-// a damaged last.pt is survived through last-prev.pt.
+// a damaged last.pt is survived through last-prev.pt. (Doctest suite
+// "reliability"; included at the end of task_test.cpp, in a namespace of
+// its own, to save a translation unit's compile time in CI.)
+#pragma once
 #include <sys/mount.h>
 #include <unistd.h>
 
@@ -14,6 +17,8 @@
 
 #include "../support.hpp"
 #include "ddpkit/ddpkit.hpp"
+
+namespace reliability_cases {
 
 using namespace ddpkit;
 using ddpkit::test::run_workers;
@@ -382,3 +387,5 @@ TEST_SUITE("reliability") {
                          UsageError);
   }
 }
+
+}  // namespace reliability_cases
