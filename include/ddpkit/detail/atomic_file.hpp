@@ -70,6 +70,22 @@ inline int write_all(int fd, std::string_view bytes) {
   return 0;
 }
 
+/// Makes `to` another name of `from`'s file, atomically (a hard link made
+/// as `to.tmp-link` and renamed over `to`); false, with nothing changed,
+/// where the filesystem refuses hard links; IoError if the rename fails.
+inline bool replace_with_link(const std::filesystem::path& from,
+                              const std::filesystem::path& to) {
+  const std::string link = to.string() + ".tmp-link";
+  ::unlink(link.c_str());
+  if (::link(from.c_str(), link.c_str()) != 0) return false;
+  if (::rename(link.c_str(), to.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(link.c_str());
+    throw io_error(cat("cannot rename ", link, " to"), to, err);
+  }
+  return true;
+}
+
 /// A temporary beside `path` with a unique name (`NAME.tmp-XXXXXX`), open
 /// for writing; removed by the destructor unless `commit`ted.
 class TempFile {
@@ -118,16 +134,7 @@ class TempFile {
   // moment until the new one is renamed in, only `prev` exists).
   void keep_old(const std::filesystem::path& prev) {
     if (::access(target_.c_str(), F_OK) != 0) return;
-    const std::string link = prev.string() + ".tmp-link";
-    ::unlink(link.c_str());
-    if (::link(target_.c_str(), link.c_str()) == 0) {
-      if (::rename(link.c_str(), prev.c_str()) != 0) {
-        const int err = errno;
-        ::unlink(link.c_str());
-        throw io_error("cannot keep the previous file as", prev, err);
-      }
-      return;
-    }
+    if (replace_with_link(target_, prev)) return;
     if (::rename(target_.c_str(), prev.c_str()) != 0) {
       throw io_error("cannot keep the previous file as", prev, errno);
     }
@@ -152,14 +159,7 @@ inline void write_atomically(const std::filesystem::path& path,
 /// the filesystem allows it, else a checked copy.
 inline void link_or_copy_atomically(const std::filesystem::path& from,
                                     const std::filesystem::path& to) {
-  const std::string link = to.string() + ".tmp-link";
-  ::unlink(link.c_str());
-  if (::link(from.c_str(), link.c_str()) == 0) {
-    if (::rename(link.c_str(), to.c_str()) != 0) {
-      const int err = errno;
-      ::unlink(link.c_str());
-      throw io_error(cat("cannot rename ", link, " to"), to, err);
-    }
+  if (replace_with_link(from, to)) {
     fsync_directory(to.parent_path());
     return;
   }

@@ -17,6 +17,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -662,8 +663,8 @@ class Trainer : private CheckpointWriter {
     for (const Done& d : done)
       loss_finite = loss_finite && std::isfinite(d.loss);
     const bool check = options_.check_finite() && !amp;
-    const Agreement a =
-        agree_on_step(signals, loss_finite, !check || grads_finite(*s.module));
+    const Agreement a = agree_on_step(signals, check, loss_finite,
+                                      !check || grads_finite(*s.module));
     if (check && (a.nonfinite_rank >= 0 || a.nonfinite_grads)) {
       skip_or_stop_nonfinite(s, a, done.size());
       return a.signal;
@@ -697,10 +698,9 @@ class Trainer : private CheckpointWriter {
   /// One all-reduce (max) of [signal, world - first bad rank, bad grads]
   /// where the ranks communicate per step anyway; the local view where
   /// they cannot (one process; join, where ranks step unevenly).
-  Agreement agree_on_step(const SignalFlag& signals, bool loss_finite,
-                          bool grads_finite) const {
+  Agreement agree_on_step(const SignalFlag& signals, bool check,
+                          bool loss_finite, bool grads_finite) const {
     Agreement a;
-    const bool check = options_.check_finite();
     if (multi() && !join_ && (signals.armed() || check)) {
       auto t =
           torch::tensor(
@@ -1031,6 +1031,7 @@ class Trainer : private CheckpointWriter {
     // 2 rank 0's error message follows.
     std::int64_t status = 0;
     std::string bytes;
+    std::optional<Checkpoint> parsed;  // rank 0's, from checking the file
     fs::path path =
         what == "auto" ? last_checkpoint(options_.out_dir()) : fs::path(what);
     if (is_main()) {
@@ -1038,8 +1039,8 @@ class Trainer : private CheckpointWriter {
         auto src = read_resume_source(
             what, options_.out_dir(),
             [&](const std::string& b, const fs::path& p) {
-              auto a = parse_checkpoint(b, p);
-              TrainingState::load(a, p, metric_columns<Task>(), num_sums);
+              parsed = parse_checkpoint(b, p);
+              TrainingState::load(*parsed, p, metric_columns<Task>(), num_sums);
             });
         if (src) {
           path = src->path;
@@ -1067,7 +1068,7 @@ class Trainer : private CheckpointWriter {
       }
       return 0;
     }
-    auto archive = parse_checkpoint(bytes, path);
+    auto archive = parsed ? std::move(*parsed) : parse_checkpoint(bytes, path);
     const auto state =
         TrainingState::load(archive, path, metric_columns<Task>(), num_sums);
     check_resume_settings(state, path);
