@@ -40,7 +40,11 @@ struct Rmse {  // your task: the loss, sums that add across ranks, metrics
 int main(int argc, char** argv) {  // DDP on 2 processes it spawns itself
   return dist::launch(argc, argv, 2, [](dist::Group& group) {
     auto adam = [](auto p) { return std::make_unique<torch::optim::Adam>(p); };
-    auto options = TrainerOptions().epochs(90).lr(0.01).out_dir("runs/minimal");
+    auto options = TrainerOptions()
+                       .epochs(90)
+                       .lr(0.01)
+                       .out_dir("runs/minimal")
+                       .overwrite(true);  // each run starts over
     DDPTrainer<Net, PlainBN, NoScaling, ShardedEval, Rmse> trainer(
         Net(), adam, options, group);
     auto result = trainer.fit(Sine{}, Sine{}, data::LoaderOptions(32));

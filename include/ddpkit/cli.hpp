@@ -39,8 +39,10 @@ struct CommonArgs {
   bool quiet = false;
   std::int64_t progress_every_n_steps = 0;  ///< plain progress lines (no tty)
   double progress_every_seconds = 30;       ///< plain progress lines (no tty)
-  bool amp = false;                   ///< --amp: mixed precision (CUDA only)
-  int accumulate = 1;                 ///< batches per optimizer step
+  bool amp = false;                         ///< --amp: --precision 16-mixed
+  std::string precision = "32";  ///< --precision 32|bf16-mixed|16-mixed
+  std::string memory_format = "contiguous";  ///< --memory-format
+  int accumulate = 1;                        ///< batches per optimizer step
   double clip_grad_norm = 0;          ///< clip by global L2 norm (0: off)
   double clip_grad_value = 0;         ///< clip each element (0: off)
   bool tensorboard = true;            ///< rank 0 writes OUT/tb event files
@@ -172,9 +174,28 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                  "least every S seconds (0: off)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--precision", args.precision,
+                 "32 (float32), bf16-mixed (bfloat16 autocast, CPU and CUDA; "
+                 "fast on CPUs with AVX512-BF16 or AMX) or 16-mixed (float16 "
+                 "autocast and dynamic loss scaling, CUDA only)")
+      ->check(CLI::IsMember({"32", "bf16-mixed", "16-mixed"}))
+      ->capture_default_str();
+  app.add_option("--memory-format", args.memory_format,
+                 "layout of 4-D weights and inputs: contiguous (NCHW) or "
+                 "channels-last (NHWC)")
+      ->check(CLI::IsMember({"contiguous", "channels-last"}))
+      ->capture_default_str();
   app.add_flag("--amp,!--no-amp", args.amp,
-               "mixed precision: float16 autocast and dynamic loss scaling "
-               "(CUDA only)");
+               "the same as --precision 16-mixed (CUDA only)");
+}
+
+/// `--precision`'s value as a `Precision` (`--amp` is 16-mixed).
+inline train::Precision precision_of(const CommonArgs& args) {
+  if (args.amp || args.precision == "16-mixed") {
+    return train::Precision::fp16_mixed;
+  }
+  return args.precision == "bf16-mixed" ? train::Precision::bf16_mixed
+                                        : train::Precision::fp32;
 }
 
 /// The Trainer options the common flags set (epochs, lr, output, resume,
@@ -196,7 +217,10 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .progress(train::ProgressOptions()
                     .every_n_steps(args.progress_every_n_steps)
                     .every_seconds(args.progress_every_seconds))
-      .mixed_precision(args.amp)
+      .precision(precision_of(args))
+      .memory_format(args.memory_format == "channels-last"
+                         ? torch::MemoryFormat::ChannelsLast
+                         : torch::MemoryFormat::Contiguous)
       .accumulate(args.accumulate)
       .clip(train::ClipOptions()
                 .max_norm(args.clip_grad_norm)
@@ -242,10 +266,20 @@ std::optional<int> finish_args(CommonArgs& args, const std::string& example) {
                  args.world_size, example.c_str(), Mode::name);
     return 2;
   }
-  if (args.amp && !torch::cuda::is_available()) {
+  if (args.amp && args.precision != "32" && args.precision != "16-mixed") {
     std::fprintf(stderr,
-                 "error: --amp needs a CUDA device, and none is visible "
-                 "(torch::cuda::is_available() is false)\n");
+                 "error: --amp means --precision 16-mixed, but --precision "
+                 "is %s\n",
+                 args.precision.c_str());
+    return 2;
+  }
+  if (precision_of(args) == train::Precision::fp16_mixed &&
+      !torch::cuda::is_available()) {
+    std::fprintf(stderr,
+                 "error: %s needs a CUDA device, and none is visible "
+                 "(torch::cuda::is_available() is false); on a CPU use "
+                 "--precision bf16-mixed\n",
+                 args.amp ? "--amp" : "--precision 16-mixed");
     return 2;
   }
   if (args.out.empty()) args.out = "runs/" + example + "-" + Mode::name;

@@ -20,6 +20,8 @@ echo "after adding a file: exit $rc: $msg"
 [[ $rc == 2 ]] || { echo "FAIL: exit $rc, expected 2"; exit 1; }
 grep -q "the training set had [0-9]* samples, now [0-9]*" <<<"$msg" ||
   { echo "FAIL: the message does not name the training set's change"; exit 1; }
+grep -q "class 'daisy' [0-9]* -> [0-9]* files" <<<"$msg" ||
+  { echo "FAIL: the message does not name the class that changed"; exit 1; }
 [[ $(sha256sum <"$out/checkpoints/last.pt") == "$before" ]] ||
   { echo "FAIL: last.pt changed"; exit 1; }
 "$bin" "${common[@]}" --epochs 2 --resume auto --resume-allow-changes ||

@@ -1,11 +1,13 @@
 // The parallel engine against single-process references, with real
 // processes over gloo on loopback.
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <type_traits>
 
 #include "../support.hpp"
+#include "ddpkit/data.hpp"
 #include "ddpkit/parallel.hpp"
 #include "nets.hpp"
 
@@ -2160,6 +2162,52 @@ TEST_SUITE("cuda") {
   }
 
 #if defined(DDPKIT_HAS_NCCL)
+  TEST_CASE(
+      "cuda: an NCCL rank works on device LOCAL_RANK (one past the device "
+      "count is refused); pinning loader workers use the consumer's device") {
+    REQUIRE(torch::cuda::is_available());
+    TempDir dir;
+    const int gpus = static_cast<int>(torch::cuda::device_count());
+    auto opts = [&](const std::string& file) {
+      return dist::GroupOptions()
+          .backend(dist::BackendKind::nccl)
+          .init_method("file://" + (dir / file).string());
+    };
+    CHECK_THROWS_WITH_AS(
+        dist::Group::init(
+            dist::explicit_env(0, 1, "127.0.0.1", 29500, gpus, gpus + 1),
+            opts("past")),
+        doctest::Contains("but this host has"), UsageError);
+    compat::set_cuda_device(0);
+    {
+      auto group = dist::Group::init(
+          dist::explicit_env(0, 1, "127.0.0.1", 29500, gpus - 1, gpus),
+          opts("last"));
+      CHECK(compat::current_cuda_device() == gpus - 1);
+    }
+    // A transform that notes the CUDA device of the worker thread it runs
+    // on (a new thread starts on device 0).
+    struct NoteDevice {
+      std::shared_ptr<std::atomic<int>> seen;
+      torch::Tensor operator()(const torch::Tensor& batch,
+                               torch::Generator&) const {
+        seen->store(compat::current_cuda_device());
+        return batch.to(torch::kFloat);
+      }
+    };
+    data::ImageTensors set{torch::zeros({8, 3, 4, 4}, torch::kUInt8),
+                           torch::zeros({8}, torch::kInt64),
+                           {"a"}};
+    auto seen = std::make_shared<std::atomic<int>>(-2);
+    compat::set_cuda_device(gpus - 1);
+    data::Loader loader(set, NoteDevice{seen},
+                        data::LoaderOptions(4).workers(1).pin_memory(true));
+    std::vector<std::size_t> idx{0, 1, 2, 3, 4, 5, 6, 7};
+    for (data::Batch b : loader.epoch(idx, 0)) CHECK(b.data.is_pinned());
+    CHECK(seen->load() == gpus - 1);
+    compat::set_cuda_device(0);
+  }
+
   TEST_CASE("cuda: NCCL at world 1: init, all-reduce, broadcast") {
     REQUIRE(torch::cuda::is_available());
     TempDir dir;

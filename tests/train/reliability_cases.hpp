@@ -17,6 +17,7 @@
 
 #include "../support.hpp"
 #include "ddpkit/ddpkit.hpp"
+#include "ddpkit/image.hpp"
 
 namespace reliability_cases {
 
@@ -367,6 +368,51 @@ TEST_SUITE("reliability") {
       const auto got = weights_of(last);
       CHECK(torch::allclose(got, want, 0, 1e-6));
     }
+  }
+
+  TEST_CASE(
+      "an image folder's fingerprint: a file added, replaced or a class "
+      "renamed changes it; the difference names the classes") {
+    TempDir dir;
+    const auto root = dir / "flowers";
+    testing::make_jpeg_folder(
+        root, testing::JpegFolderOptions().images_per_class(6).classes(
+                  {"daisy", "roses"}));
+    auto opts = data::ImageFolderOptions().val_ratio(0.2);
+    auto fp = [&] {
+      return data::read_image_folder(root, opts).train.fingerprint();
+    };
+    const auto first = data::read_image_folder(root, opts).train;
+    const auto before = first.fingerprint();
+    CHECK(before.rfind("files:", 0) == 0);
+    CHECK(before.find(";daisy=5;roses=5") != std::string::npos);
+    CHECK(fp() == before);  // read again: the same
+    // 10 images in daisy: 8 train, 2 validation.
+    for (int k = 0; k < 4; ++k) {
+      fs::copy_file(root / "daisy" / "daisy_0.jpg",
+                    root / "daisy" / ("extra" + std::to_string(k) + ".jpg"));
+    }
+    const auto added = fp();
+    CHECK(train::fingerprint_identity(added) !=
+          train::fingerprint_identity(before));
+    CHECK(train::fingerprint_difference(before, added) ==
+          "class 'daisy' 5 -> 8 files");
+    // Same count, other contents: a training file grown.
+    for (int k = 0; k < 4; ++k) {
+      fs::remove(root / "daisy" / ("extra" + std::to_string(k) + ".jpg"));
+    }
+    std::ofstream(first.samples().at(0).path, std::ios::app) << "tail";
+    const auto replaced = fp();
+    CHECK(train::fingerprint_identity(replaced) !=
+          train::fingerprint_identity(before));
+    CHECK(train::fingerprint_difference(before, replaced).empty());
+    fs::rename(root / "roses", root / "tulips");
+    CHECK(train::fingerprint_difference(before, fp()) ==
+          "class 'roses' gone (had 5 files), class 'tulips' new (5 files)");
+    // An identity alone (a checkpoint from before the per-class counts)
+    // still compares by its hash and describes nothing.
+    CHECK(train::fingerprint_difference("files:0123", before).empty());
+    CHECK(train::fingerprint_identity("files:0123") == "files:0123");
   }
 
   TEST_CASE("a checksum mismatch inside a checkpoint is named") {

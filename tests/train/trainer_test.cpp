@@ -22,30 +22,59 @@ const std::vector<std::string> kColumns =
     train::metric_columns<train::Classification>();
 
 /// A small, fast classifier for 3×32×32 inputs, with dropout so resume must
-/// restore randomness too.
+/// restore randomness too (by default; `conv_bn()` below has none). Notes
+/// the dtype its convolution computed in (bfloat16 under bf16 autocast).
 struct TinyNetImpl : torch::nn::Cloneable<TinyNetImpl> {
-  TinyNetImpl() {
+  explicit TinyNetImpl(int64_t channels = 8, double dropout = 0.2)
+      : channels(channels), dropout(dropout) {
     reset();
   }
   void reset() override {
     conv = register_module(
-        "conv", torch::nn::Conv2d(
-                    torch::nn::Conv2dOptions(3, 8, 3).stride(2).padding(1)));
-    bn = register_module("bn", nn::BatchNorm2d(8));
-    drop = register_module("drop", torch::nn::Dropout(0.2));
-    fc = register_module("fc", torch::nn::Linear(8, 10));
+        "conv",
+        torch::nn::Conv2d(
+            torch::nn::Conv2dOptions(3, channels, 3).stride(2).padding(1)));
+    bn = register_module("bn", nn::BatchNorm2d(channels));
+    drop = register_module("drop", torch::nn::Dropout(dropout));
+    fc = register_module("fc", torch::nn::Linear(channels, 10));
   }
   torch::Tensor forward(torch::Tensor x) {
-    x = torch::relu(bn(conv(x)));
+    x = conv(x);
+    conv_dtype = x.scalar_type();
+    x = torch::relu(bn(x));
     x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
     return fc(drop(x));
   }
+  int64_t channels;
+  double dropout;
   torch::nn::Conv2d conv{nullptr};
   nn::BatchNorm2d bn{nullptr};
   torch::nn::Dropout drop{nullptr};
   torch::nn::Linear fc{nullptr};
+  torch::ScalarType conv_dtype = torch::kFloat32;
 };
 TORCH_MODULE(TinyNet);
+
+/// TinyNet with 16 channels and no dropout: a step over the whole set is
+/// the same on any number of ranks (SyncBN under DDP).
+TinyNet conv_bn() {
+  return TinyNet(16, 0.0);
+}
+
+/// The largest difference between two state dicts' floating-point
+/// entries, relative to the second's largest magnitude.
+double worst_relative_diff(const c10::Dict<c10::IValue, c10::IValue>& a,
+                           const c10::Dict<c10::IValue, c10::IValue>& b) {
+  double worst = 0;
+  for (auto& kv : a) {
+    auto x = kv.value().toTensor(), y = b.at(kv.key()).toTensor();
+    if (!x.is_floating_point()) continue;  // num_batches_tracked
+    worst = std::max(
+        worst,
+        ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item<double>());
+  }
+  return worst;
+}
 
 struct Data {
   data::ImageTensors train, val;
@@ -225,6 +254,27 @@ TrainerOptions accumulation_options(const fs::path& out, int accumulate,
 }
 
 }  // namespace
+
+/// bf16-mixed runs: 20 samples, one step of the whole set per epoch.
+TrainerOptions bf16_options(const fs::path& out, train::Precision p) {
+  return base_options(out, kAccEpochs).lr(kAccLr).verbose(false).precision(p);
+}
+
+/// DDP at world 2, SyncBN, bf16-mixed: batches of 10 per rank.
+DDPKIT_WORKER(trainer_bf16) {
+  auto g = test::worker_group();
+  torch::manual_seed(1);
+  auto d = accumulation_data();
+  DDPTrainer<TinyNet, SyncBN> trainer(
+      conv_bn(), sgd_momentum(kAccLr),
+      bf16_options(test::worker_dir() / "out", train::Precision::bf16_mixed),
+      g);
+  trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+              data::LoaderOptions(10).workers(0));
+  std::ofstream(test::worker_dir() / ("dtype" + std::to_string(g.rank())))
+      << c10::toString(trainer.model()->conv_dtype);
+  return 0;
+}
 
 /// DDP at world 2 with T_BATCH per rank, T_ACC batches per step, clipping at
 /// T_CLIP (0: off). Writes the synchronised steps and the collectives
@@ -1515,16 +1565,6 @@ TEST_SUITE("train") {
             data::LoaderOptions(20).workers(0));
       return model_of(out / "checkpoints" / "last.pt");
     };
-    auto worst_diff = [](const c10::Dict<c10::IValue, c10::IValue>& a,
-                         const c10::Dict<c10::IValue, c10::IValue>& b) {
-      double worst = 0;
-      for (auto& kv : a) {
-        auto x = kv.value().toTensor(), y = b.at(kv.key()).toTensor();
-        worst = std::max(worst,
-                         ((x - y).abs().max() / y.abs().max()).item<double>());
-      }
-      return worst;
-    };
     struct Run {
       std::string what;
       int batch, acc;
@@ -1533,7 +1573,7 @@ TEST_SUITE("train") {
     // The gradient's norm here is about 2 to 4: 0.5 clips every step.
     const double clip = 0.5;
     const auto plain = reference(0), clipped = reference(clip);
-    const double clip_effect = worst_diff(clipped, plain);
+    const double clip_effect = worst_relative_diff(clipped, plain);
     MESSAGE("clipping at 0.5 changes one process's weights by ", clip_effect);
     CHECK(clip_effect > 1e-2);
     std::uint64_t collectives[2] = {0, 0};
@@ -1550,8 +1590,9 @@ TEST_SUITE("train") {
                               {"T_CLIP", std::to_string(run.clip)}});
       CAPTURE(res.message);
       REQUIRE(res.ok());
-      const double diff = worst_diff(model_of(dir / "out/checkpoints/last.pt"),
-                                     run.clip > 0 ? clipped : plain);
+      const double diff =
+          worst_relative_diff(model_of(dir / "out/checkpoints/last.pt"),
+                              run.clip > 0 ? clipped : plain);
       MESSAGE(run.what, ": relative difference to one process ", diff);
       CHECK(diff < 1e-5);
       for (int r = 0; r < 2; ++r) {
@@ -1572,6 +1613,91 @@ TEST_SUITE("train") {
     MESSAGE("collectives during fit: ", collectives[0], " without, ",
             collectives[1], " with accumulation");
     CHECK(collectives[1] == collectives[0]);
+  }
+
+  TEST_CASE(
+      "bf16-mixed on CPU: DDP at world 2 with SyncBN equals one process on "
+      "the joined batch within bfloat16's precision (2^-8); the convolution "
+      "runs in bfloat16 on every rank, the weights stay float32; 16-mixed on "
+      "CPU is refused") {
+    auto d = accumulation_data();
+    auto one_process = [&](train::Precision p) {
+      TempDir out;
+      torch::manual_seed(1);
+      SingleDeviceTrainer<TinyNet> t(conv_bn(), sgd_momentum(kAccLr),
+                                     bf16_options(out.path(), p));
+      t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+            data::LoaderOptions(20).workers(0));
+      CHECK(std::string(c10::toString(t.model()->conv_dtype)) ==
+            (p == train::Precision::bf16_mixed ? "BFloat16" : "Float"));
+      return model_of(out / "checkpoints" / "last.pt");
+    };
+    // Checkpoints hold float32 weights, whatever the precision.
+    auto worst_diff = [](const c10::Dict<c10::IValue, c10::IValue>& a,
+                         const c10::Dict<c10::IValue, c10::IValue>& b) {
+      for (auto& kv : a) {
+        const auto t = kv.value().toTensor().scalar_type();
+        if (c10::isFloatingType(t)) {
+          CHECK(std::string(c10::toString(t)) == "Float");
+        }
+      }
+      return worst_relative_diff(a, b);
+    };
+    const auto fp32 = one_process(train::Precision::fp32);
+    const auto bf16 = one_process(train::Precision::bf16_mixed);
+    // bfloat16 keeps 8 bits of mantissa: the forward in it moves the
+    // weights measurably away from float32's.
+    const double precision_effect = worst_diff(bf16, fp32);
+    TempDir dir;
+    auto res = run_workers("trainer_bf16", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    const double ddp =
+        worst_diff(model_of(dir / "out/checkpoints/last.pt"), bf16);
+    MESSAGE("bf16-mixed against 32, one process: ", precision_effect,
+            "; DDP world 2 against one process, both bf16-mixed: ", ddp);
+    for (int r = 0; r < 2; ++r) {
+      CHECK(read_file(dir / ("dtype" + std::to_string(r))) == "BFloat16");
+    }
+    CHECK(precision_effect > 1e-3);
+    // Within bfloat16's relative precision (2^-8): the ranks' halves round
+    // differently from the joined batch, nothing more.
+    CHECK(ddp < 1.0 / 256);
+    // 16-mixed needs CUDA.
+    TempDir out;
+    CHECK_THROWS_WITH_AS(
+        SingleDeviceTrainer<TinyNet>(
+            conv_bn(), sgd_momentum(kAccLr),
+            bf16_options(out.path(), train::Precision::fp16_mixed)),
+        doctest::Contains("precision 16-mixed needs a CUDA device"),
+        UsageError);
+  }
+
+  TEST_CASE(
+      "memory_format(ChannelsLast): 4-D weights and inputs channels-last, "
+      "training equal to contiguous (float32)") {
+    auto d = accumulation_data();
+    auto run = [&](torch::MemoryFormat f, bool* conv_cl) {
+      TempDir out;
+      torch::manual_seed(1);
+      SingleDeviceTrainer<TinyNet> t(
+          conv_bn(), sgd_momentum(kAccLr),
+          bf16_options(out.path(), train::Precision::fp32).memory_format(f));
+      *conv_cl = t.model()->conv->weight.is_contiguous(
+                     torch::MemoryFormat::ChannelsLast) &&
+                 !t.model()->conv->weight.is_contiguous();
+      t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+            data::LoaderOptions(20).workers(0));
+      return model_of(out / "checkpoints" / "last.pt");
+    };
+    bool cl = false, plain = true;
+    const auto a = run(torch::MemoryFormat::ChannelsLast, &cl);
+    const auto b = run(torch::MemoryFormat::Contiguous, &plain);
+    CHECK(cl);
+    CHECK_FALSE(plain);
+    const double worst = worst_relative_diff(a, b);
+    MESSAGE("channels-last against contiguous: ", worst);
+    CHECK(worst < 1e-4);  // float32 kernels of other layouts: 8e-6 here
   }
 
   TEST_CASE(

@@ -67,10 +67,15 @@ class ImageFiles {
     return samples_;
   }
   /// What a checkpoint records to notice changed data at a resume: the
-  /// files' names, labels and sizes, hashed ("files:<hash>").
+  /// files' names, labels and sizes, hashed, then each class's file count
+  /// for the message when they differ ("files:<hash>;daisy=633;roses=641").
   std::string fingerprint() const {
     std::uint64_t h = ddpkit::detail::fnv1a("");
+    std::vector<std::size_t> counts(classes_.size());
     for (const auto& s : samples_) {
+      if (s.label >= 0 && static_cast<std::size_t>(s.label) < counts.size()) {
+        ++counts[static_cast<std::size_t>(s.label)];
+      }
       std::error_code ec;
       const auto size = std::filesystem::file_size(s.path, ec);
       h = ddpkit::detail::fnv1a(
@@ -78,7 +83,11 @@ class ImageFiles {
                               ec ? 0 : size, '\n'),
           h);
     }
-    return "files:" + ddpkit::detail::hex64(h);
+    std::string fp = "files:" + ddpkit::detail::hex64(h);
+    for (std::size_t c = 0; c < classes_.size(); ++c) {
+      fp += ddpkit::detail::cat(';', classes_[c], '=', counts[c]);
+    }
+    return fp;
   }
   const std::vector<std::string>& classes() const {
     return classes_;

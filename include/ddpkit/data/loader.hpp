@@ -28,6 +28,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/data/transforms.hpp"
+#include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/seed.hpp"
 #include "ddpkit/detail/strings.hpp"
@@ -325,6 +326,9 @@ class LoaderEpoch {
                         ? s.indices.size() / bs
                         : (s.indices.size() + bs - 1) / bs;
     s.claimed = s.given = std::min(first_batch, s.num_batches);
+    if (s.state->options.pin_memory()) {
+      s.cuda_device = ddpkit::compat::current_cuda_device();
+    }
     for (int w = 0; w < s.state->options.workers(); ++w) {
       threads_.emplace_back([p = shared_.get()] { p->work(); });
 #ifdef __linux__
@@ -416,8 +420,12 @@ class LoaderEpoch {
     std::size_t given = 0;    // next batch the consumer takes
     std::map<std::size_t, std::variant<Batch, std::exception_ptr>> ready;
     bool stop = false;
+    // The consumer's CUDA device when batches are pinned (-1: none): the
+    // workers pin on it, not on the device 0 a new thread starts on.
+    int cuda_device = -1;
 
     void work() {
+      ddpkit::compat::CudaDeviceScope on_device(cuda_device);
       const auto window = std::max<std::size_t>(1, state->options.prefetch());
       for (;;) {
         std::size_t b;

@@ -6,6 +6,7 @@
 // `ddpkit::dist::compat`. The rest of ddpkit uses only the names below.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdlib>
@@ -56,6 +57,44 @@ inline void set_cuda_device(int index) {
 #endif
 }
 
+/// This thread's current CUDA device, or -1 (a build without CUDA, or no
+/// device).
+inline int current_cuda_device() {
+#if defined(DDPKIT_HAS_CUDA)
+  if (c10::cuda::device_count() == 0) return -1;
+  return static_cast<int>(c10::cuda::current_device());
+#else
+  return -1;
+#endif
+}
+
+/// Makes CUDA device `index` current for a scope and restores the previous
+/// one after; nothing for `index` < 0 or without CUDA. A new thread starts
+/// on device 0, so a thread that launches CUDA work for a rank's device
+/// (DataParallel's replicas, loader workers pinning memory) sets it first:
+/// otherwise it makes a context on GPU 0 (PyTorch's pin-memory thread and
+/// parallel_apply do the same).
+class CudaDeviceScope {
+ public:
+  explicit CudaDeviceScope(int index) {
+    const int current = index < 0 ? -1 : current_cuda_device();
+    if (current < 0) return;
+    previous_ = current;
+    if (previous_ != index) set_cuda_device(index);
+  }
+  explicit CudaDeviceScope(const torch::Device& device)
+      : CudaDeviceScope(device.is_cuda() ? std::max<int>(device.index(), 0)
+                                         : -1) {}
+  ~CudaDeviceScope() {
+    if (previous_ >= 0) set_cuda_device(previous_);
+  }
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 /// "2.11.0" / "1.13.1": the libtorch ddpkit was compiled against.
 inline std::string torch_version() {
   return TORCH_VERSION;
@@ -70,38 +109,51 @@ using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(
 
 // ---- autocast --------------------------------------------------------------
 
-/// CUDA autocast's thread-local state: what a worker thread must copy from
-/// the thread that launched it (autocast is per thread).
+/// Autocast's thread-local state for one device type (CUDA or CPU): what a
+/// worker thread must copy from the thread that launched it (autocast is
+/// per thread).
 struct AutocastState {
   bool enabled = false;
   at::ScalarType dtype = at::kHalf;
+  at::DeviceType device = at::kCUDA;
 };
 
-inline AutocastState autocast_state() {
+inline AutocastState autocast_state(at::DeviceType device = at::kCUDA) {
 #if DDPKIT_TORCH_AT_LEAST(2, 4)
-  return {at::autocast::is_autocast_enabled(at::kCUDA),
-          at::autocast::get_autocast_dtype(at::kCUDA)};
+  return {at::autocast::is_autocast_enabled(device),
+          at::autocast::get_autocast_dtype(device), device};
 #else
-  return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype()};
+  if (device == at::kCPU) {
+    return {at::autocast::is_cpu_enabled(),
+            at::autocast::get_autocast_cpu_dtype(), device};
+  }
+  return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype(),
+          device};
 #endif
 }
 
 inline void set_autocast_state(const AutocastState& s) {
 #if DDPKIT_TORCH_AT_LEAST(2, 4)
-  at::autocast::set_autocast_enabled(at::kCUDA, s.enabled);
-  at::autocast::set_autocast_dtype(at::kCUDA, s.dtype);
+  at::autocast::set_autocast_enabled(s.device, s.enabled);
+  at::autocast::set_autocast_dtype(s.device, s.dtype);
 #else
+  if (s.device == at::kCPU) {
+    at::autocast::set_cpu_enabled(s.enabled);
+    at::autocast::set_autocast_cpu_dtype(s.dtype);
+    return;
+  }
   at::autocast::set_enabled(s.enabled);
   at::autocast::set_autocast_gpu_dtype(s.dtype);
 #endif
 }
 
-/// CUDA autocast for a scope (PyTorch's `torch.autocast("cuda", dtype)`):
-/// sets the state, restores the previous one on exit, and drops autocast's
-/// cast cache when the outermost autocast scope ends.
+/// Autocast for a scope (PyTorch's `torch.autocast(device, dtype)`; CUDA
+/// unless the state names CPU): sets the state, restores the previous one
+/// on exit, and drops autocast's cast cache when the outermost autocast
+/// scope ends.
 class AutocastGuard {
  public:
-  explicit AutocastGuard(AutocastState s) : prev_(autocast_state()) {
+  explicit AutocastGuard(AutocastState s) : prev_(autocast_state(s.device)) {
     set_autocast_state(s);
     at::autocast::increment_nesting();
   }

@@ -128,12 +128,14 @@ struct DataParallel {
       last_split_.assign(devices_.size(), 0);
       // Autocast is per thread: the replicas' threads take this thread's
       // (PyTorch's parallel_apply does the same).
-      const auto autocast = ddpkit::compat::autocast_state();
+      const auto autocast = ddpkit::compat::autocast_state(devices_[0].type());
       auto run = [&](std::size_t k) {
         try {
           std::optional<ddpkit::compat::AutocastGuard> ac;
           if (k > 0 && autocast.enabled) ac.emplace(autocast);
           auto dev = devices_[k];
+          // This thread's CUDA work on replica k's device.
+          ddpkit::compat::CudaDeviceScope on_device(dev);
           auto xk = xs[k].to(dev);
           auto yk = ys[k].to(dev);
           auto out =

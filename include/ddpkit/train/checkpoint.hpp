@@ -333,6 +333,71 @@ inline std::string read_checkpoint_string(const Checkpoint& archive,
   return v.toStringRef();
 }
 
+/// The part of a training set's fingerprint that identifies it: up to the
+/// first ';' ("files:<hash>"); what follows describes the data for
+/// messages (ImageFiles: ";<class>=<files>" per class).
+inline std::string fingerprint_identity(const std::string& fingerprint) {
+  return fingerprint.substr(0, fingerprint.find(';'));
+}
+
+/// What differs between two fingerprints' descriptions, e.g. "class
+/// 'daisy' 633 -> 634 files, class 'tulips' new (12 files)"; "" when either
+/// has none or they agree. Names at most 5 classes, then how many more.
+inline std::string fingerprint_difference(const std::string& before,
+                                          const std::string& now) {
+  using Counts = std::vector<std::pair<std::string, std::string>>;
+  auto parse = [](const std::string& fp) {
+    Counts out;
+    std::size_t at = fp.find(';');
+    while (at != std::string::npos) {
+      const auto next = fp.find(';', at + 1);
+      const auto part =
+          fp.substr(at + 1, next == std::string::npos ? std::string::npos
+                                                      : next - at - 1);
+      const auto eq = part.rfind('=');
+      if (eq != std::string::npos) {
+        out.emplace_back(part.substr(0, eq), part.substr(eq + 1));
+      }
+      at = next;
+    }
+    return out;
+  };
+  const Counts a = parse(before), b = parse(now);
+  if (a.empty() || b.empty()) return "";
+  auto find = [](const Counts& c,
+                 const std::string& name) -> const std::string* {
+    for (const auto& [n, v] : c) {
+      if (n == name) return &v;
+    }
+    return nullptr;
+  };
+  std::vector<std::string> diffs;
+  for (const auto& [name, count] : a) {
+    const auto* other = find(b, name);
+    if (!other) {
+      diffs.push_back(ddpkit::detail::cat("class '", name, "' gone (had ",
+                                          count, " files)"));
+    } else if (*other != count) {
+      diffs.push_back(ddpkit::detail::cat("class '", name, "' ", count, " -> ",
+                                          *other, " files"));
+    }
+  }
+  for (const auto& [name, count] : b) {
+    if (!find(a, name)) {
+      diffs.push_back(
+          ddpkit::detail::cat("class '", name, "' new (", count, " files)"));
+    }
+  }
+  std::string out;
+  for (std::size_t i = 0; i < diffs.size() && i < 5; ++i) {
+    out += (i ? ", " : "") + diffs[i];
+  }
+  if (diffs.size() > 5) {
+    out += ddpkit::detail::cat(" and ", diffs.size() - 5, " more classes");
+  }
+  return out;
+}
+
 /// Every key of a Trainer's checkpoint, written and read here alone: the
 /// format, the model, the optimizer, where the run stands, the history, the
 /// CPU generators, and (from the Trainer) each stateful callback's state

@@ -31,6 +31,37 @@ enum class UnevenInputs {
   join,
 };
 
+/// The numbers training computes with, named as Lightning names them.
+enum class Precision {
+  /// "32": float32 throughout (default).
+  fp32,
+  /// "bf16-mixed": forward (and evaluation) under autocast to bfloat16, on
+  /// CPU and CUDA; parameters, gradients and optimizer state stay float32,
+  /// and no loss scaling is needed (bfloat16 has float32's range).
+  bf16_mixed,
+  /// "16-mixed": CUDA only: autocast to float16 with a dynamic loss scale
+  /// whose overflow check is reduced across ranks (`--amp`).
+  fp16_mixed,
+};
+
+/// "32", "bf16-mixed", "16-mixed".
+inline const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::bf16_mixed: return "bf16-mixed";
+    case Precision::fp16_mixed: return "16-mixed";
+    default: return "32";
+  }
+}
+
+/// The autocast dtype of a mixed precision (float32 for "32").
+inline torch::ScalarType autocast_dtype(Precision p) {
+  switch (p) {
+    case Precision::bf16_mixed: return torch::kBFloat16;
+    case Precision::fp16_mixed: return torch::kHalf;
+    default: return torch::kFloat32;
+  }
+}
+
 struct TrainerOptions {
   TORCH_ARG(int, epochs) = 30;
   /// Base learning rate, before the LR-scaling policy and the schedule.
@@ -131,9 +162,26 @@ struct TrainerOptions {
   TORCH_ARG(bool, drop_last) = false;
   /// Ranks with different batch counts: refuse (default) or join.
   TORCH_ARG(UnevenInputs, uneven_inputs) = UnevenInputs::refuse;
-  /// CUDA only: autocast forward and a dynamic loss scale whose overflow
-  /// check is reduced across ranks.
-  TORCH_ARG(bool, mixed_precision) = false;
+  /// 32 (default), bf16-mixed (CPU and CUDA) or 16-mixed (CUDA); see
+  /// `Precision`. Checkpoints hold float32 weights whichever is chosen.
+  TORCH_ARG(Precision, precision) = Precision::fp32;
+  /// The memory layout of 4-D parameters, buffers and inputs:
+  /// `Contiguous` (NCHW, default) or `ChannelsLast` (NHWC), which oneDNN's
+  /// bfloat16 convolutions on CPUs with AMX and cuDNN's tensor cores prefer.
+  /// The model is converted at construction, before DDP lays out its
+  /// gradient buckets (each gradient keeps its parameter's strides), and
+  /// each batch's input at its copy to the device.
+  TORCH_ARG(torch::MemoryFormat,
+            memory_format) = torch::MemoryFormat::Contiguous;
+  /// The earlier name of `precision(Precision::fp16_mixed)` (true) and
+  /// `precision(Precision::fp32)` (false).
+  TrainerOptions& mixed_precision(bool on) {
+    precision_ = on ? Precision::fp16_mixed : Precision::fp32;
+    return *this;
+  }
+  bool mixed_precision() const {
+    return precision_ == Precision::fp16_mixed;
+  }
   /// Gradient accumulation: this many batches per optimizer step (1: none).
   /// The gradients of the first k-1 are kept locally (the engine's
   /// `no_sync`: DDP communicates once per step, on the last batch), and
@@ -156,6 +204,12 @@ struct TrainerOptions {
   /// included) rank 0 logs its batch loss as train/loss_step (0: never).
   TORCH_ARG(int, log_every_n_steps) = 50;
 };
+
+/// "contiguous" or "channels-last".
+inline const char* memory_format_name(torch::MemoryFormat f) {
+  return f == torch::MemoryFormat::ChannelsLast ? "channels-last"
+                                                : "contiguous";
+}
 
 /// Throws a UsageError naming the first option with a bad value (or two
 /// that cannot be combined).
@@ -195,6 +249,11 @@ inline void check_options(const TrainerOptions& o) {
   if (o.log_every_n_steps() < 0) {
     throw UsageError(cat("log_every_n_steps ", o.log_every_n_steps(),
                          " must be >= 0 (0: never)"));
+  }
+  if (o.memory_format() != torch::MemoryFormat::Contiguous &&
+      o.memory_format() != torch::MemoryFormat::ChannelsLast) {
+    throw UsageError(
+        "memory_format must be Contiguous or ChannelsLast (4-D models)");
   }
   if (o.accumulate() < 1) {
     throw UsageError(cat("accumulate ", o.accumulate(),

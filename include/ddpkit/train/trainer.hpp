@@ -30,6 +30,8 @@
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/data/loader.hpp"
 #include "ddpkit/data/samplers.hpp"
+#include "ddpkit/detail/compat.hpp"
+#include "ddpkit/detail/cpu.hpp"
 #include "ddpkit/detail/seed.hpp"
 #include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
@@ -144,9 +146,10 @@ class Trainer : private CheckpointWriter {
         task_(std::move(task)),
         monitor_(resolve_monitor<Task>(options_)),
         device_(device.value_or(default_device(group_))),
-        engine_(prepare(std::move(model), group_), group_,
+        engine_(prepare(std::move(model), group_, options_), group_,
                 std::move(parallel_options), device_) {
     check_options(options_);
+    check_precision();
     optimizer_ =
         make_optimizer(parallel::as_module(engine_.module()).parameters());
     if (!optimizer_) throw UsageError("the optimizer factory returned nothing");
@@ -614,7 +617,10 @@ class Trainer : private CheckpointWriter {
       step_samples += static_cast<double>(b.target.size(0));
     }
     engine_.zero_grad();
-    const bool amp = options_.mixed_precision() && device_.is_cuda();
+    // 16-mixed: float16 autocast and the loss scaler (CUDA); bf16-mixed:
+    // bfloat16 autocast, nothing scaled.
+    const bool amp = options_.precision() == Precision::fp16_mixed;
+    const bool autocast = options_.precision() != Precision::fp32;
     const double scale = amp ? scaler_.scale() : 1.0;
     struct Done {
       double loss, n;
@@ -622,7 +628,7 @@ class Trainer : private CheckpointWriter {
     };
     std::vector<Done> done;
     for (std::size_t i = 0; i < step.size(); ++i) {
-      torch::Tensor x = step[i].data.to(device_, /*non_blocking=*/true);
+      torch::Tensor x = to_device_input(step[i].data, /*non_blocking=*/true);
       torch::Tensor y = step[i].target.to(device_, /*non_blocking=*/true);
       const double n = static_cast<double>(y.size(0));
       const double weight = step.size() == 1 ? 1.0 : n / step_samples;
@@ -632,8 +638,8 @@ class Trainer : private CheckpointWriter {
         return task_.loss(a, b);
       };
       auto run = [&] {
-        if (amp) {
-          ddpkit::compat::AutocastGuard autocast(true, torch::kHalf);
+        if (autocast) {
+          ddpkit::compat::AutocastGuard on(autocast_state());
           return engine_.forward_backward(
               x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
                 return task_.loss(a.to(torch::kFloat32), b) * factor;
@@ -686,6 +692,33 @@ class Trainer : private CheckpointWriter {
       emit(BatchEnd{s, d.loss});
     }
     return a.signal;
+  }
+
+  /// The autocast state of the chosen mixed precision on this device.
+  ddpkit::compat::AutocastState autocast_state() const {
+    return {true, autocast_dtype(options_.precision()), device_.type()};
+  }
+
+  /// 16-mixed needs CUDA; bf16-mixed on a CPU without bfloat16 hardware
+  /// runs, with a warning (rank 0).
+  void check_precision() const {
+    using ddpkit::detail::cat;
+    if (options_.precision() == Precision::fp16_mixed && !device_.is_cuda()) {
+      throw UsageError(
+          cat("precision 16-mixed needs a CUDA device, but this "
+              "trainer runs on ",
+              device_.str(),
+              " (bf16-mixed works on CPUs and CUDA; 32 is the "
+              "default)"));
+    }
+    if (options_.precision() == Precision::bf16_mixed && device_.is_cpu() &&
+        !ddpkit::detail::cpu_has_bf16() && is_main()) {
+      std::fprintf(stderr,
+                   "warning: precision bf16-mixed on a CPU without "
+                   "AVX512-BF16 or AMX: bfloat16 is emulated there and "
+                   "usually slower than 32 (untested by ddpkit: its test "
+                   "machine has AVX512-BF16)\n");
+    }
   }
 
   /// What the ranks agreed after a step's backward.
@@ -936,9 +969,16 @@ class Trainer : private CheckpointWriter {
     auto epoch = loader.epoch(indices, 0);
     std::array<double, 1 + num_sums> acc{};
     while (auto batch = epoch.next()) {
-      torch::Tensor x = batch->data.to(device_);
+      torch::Tensor x = to_device_input(batch->data, /*non_blocking=*/false);
       torch::Tensor y = batch->target.to(device_);
+      std::optional<ddpkit::compat::AutocastGuard> mixed;
+      if (options_.precision() != Precision::fp32)
+        mixed.emplace(autocast_state());
       torch::Tensor out = engine_.forward(x);
+      if (mixed) {
+        mixed.reset();  // the task's sums in float32
+        if (out.is_floating_point()) out = out.to(torch::kFloat32);
+      }
       const auto b = train::evaluation_sums(task_, out, y);
       acc[0] += static_cast<double>(y.size(0));
       for (std::size_t i = 0; i < num_sums; ++i) acc[1 + i] += b[i];
@@ -1168,18 +1208,25 @@ class Trainer : private CheckpointWriter {
               " (the sampler's order, augmentation and dropout draw "
               "differently from the original run)");
     }
+    const auto per_class =
+        fingerprint_difference(state.data_fingerprint, data_fingerprint_);
     if (state.data_size && *state.data_size != data_size_) {
       changes += cat(changes.empty() ? "" : "; ", "the training set had ",
-                     *state.data_size, " samples, now ", data_size_,
-                     " (files added or removed? the sampler's order and a "
-                     "mid-epoch position change)");
+                     *state.data_size, " samples, now ", data_size_, " (",
+                     per_class.empty() ? "files added or removed?" : per_class,
+                     "; the sampler's order and a mid-epoch position "
+                     "change)");
     } else if (state.data_size && !state.data_fingerprint.empty() &&
                !data_fingerprint_.empty() &&
-               state.data_fingerprint != data_fingerprint_) {
+               fingerprint_identity(state.data_fingerprint) !=
+                   fingerprint_identity(data_fingerprint_)) {
       changes += cat(changes.empty() ? "" : "; ", "the training set has ",
                      data_size_, " samples as before but other contents (",
-                     state.data_fingerprint, " -> ", data_fingerprint_,
-                     ": files renamed, replaced or relabelled)");
+                     fingerprint_identity(state.data_fingerprint), " -> ",
+                     fingerprint_identity(data_fingerprint_), ": ",
+                     per_class.empty() ? "files renamed, replaced or relabelled"
+                                       : per_class,
+                     ")");
     }
     if (changes.empty()) return;
     if (!options_.resume_allow_changes()) {
@@ -1219,7 +1266,8 @@ class Trainer : private CheckpointWriter {
     row("clip_grad_value", num(options_.clip().max_value()));
     row("seed", std::to_string(options_.seed()));
     row("max_steps", std::to_string(options_.max_steps()));
-    row("mixed_precision", options_.mixed_precision() ? "true" : "false");
+    row("precision", precision_name(options_.precision()));
+    row("memory_format", memory_format_name(options_.memory_format()));
     if constexpr (requires { engine_.comm_name(); }) {
       row("comm", engine_.comm_name());
     }
@@ -1227,9 +1275,32 @@ class Trainer : private CheckpointWriter {
     return md;
   }
 
-  static Model prepare(Model model, const dist::Group& g) {
+  static Model prepare(Model model, const dist::Group& g,
+                       const TrainerOptions& o) {
     BN::apply(parallel::as_module(model), g);
+    if (o.memory_format() == torch::MemoryFormat::ChannelsLast) {
+      // Before the engine exists: DDP's buckets take these strides.
+      torch::NoGradGuard no_grad;
+      auto& m = parallel::as_module(model);
+      for (auto& p : m.parameters()) {
+        if (p.dim() == 4) p.set_data(p.contiguous(o.memory_format()));
+      }
+      for (auto& b : m.buffers()) {
+        if (b.dim() == 4) b.set_data(b.contiguous(o.memory_format()));
+      }
+    }
     return model;
+  }
+
+  /// A batch's input on the device, in the chosen memory format (4-D).
+  torch::Tensor to_device_input(const torch::Tensor& x,
+                                bool non_blocking) const {
+    auto on = x.to(device_, non_blocking);
+    if (on.dim() == 4 &&
+        options_.memory_format() == torch::MemoryFormat::ChannelsLast) {
+      on = on.contiguous(torch::MemoryFormat::ChannelsLast);
+    }
+    return on;
   }
 
   dist::Group group_;
