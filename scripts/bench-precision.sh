@@ -4,7 +4,8 @@
 # folder), at 32 / bf16-mixed x contiguous / channels-last, the four runs
 # alternating within each round. Prints each run's training images per
 # second (summary.json's train_images_per_second: training time only, its
-# first step included) and, per round, the ratio to 32 contiguous.
+# first step included), per round the ratio to 32 contiguous, and rank 0's
+# mean step time by phase (summary.json's step_ms).
 #
 #   scripts/bench-precision.sh [BINARY] [SIZE] [STEPS] [ROUNDS]
 #   default: build/bin/flowers-resnet34-ddp, 128 px, 12 steps, 2 rounds
@@ -33,5 +34,11 @@ for ((r = 1; r <= rounds; r++)); do
     [[ -n $base ]] || base=$ips
     printf 'round %d  %-11s %-14s %8.2f images/s  x%.2f\n' "$r" "$prec" "$fmt" "$ips" \
       "$(echo "$ips / $base" | bc -l)"
+    # Rank 0's step time by phase (summary.json's step_ms, ms per step).
+    step=$(sed -nE 's/.*"step_ms": (\{.*\}).*/\1/p' "$out/summary.json")
+    ms() { sed -nE "s/.*\"$1\":([0-9.e+-]+).*/\1/p" <<<"$step"; }
+    printf '         ms/step %.0f: data %.1f  forward %.0f  backward %.0f (grad wait %.1f)  agreement %.1f  optimizer %.1f  other %.1f\n' \
+      "$(ms total)" "$(ms data_wait)" "$(ms forward)" "$(ms backward)" "$(ms grad_wait)" \
+      "$(ms agreement)" "$(ms optimizer)" "$(ms other)"
   done
 done

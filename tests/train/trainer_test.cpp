@@ -461,7 +461,34 @@ TEST_SUITE("train") {
     CHECK(summary.find("\"mode\": \"ddp\"") != std::string::npos);
     CHECK(summary.find("\"world_size\": 2") != std::string::npos);
     CHECK(summary.find("\"bn\": \"syncbn\"") != std::string::npos);
+    // Rank 0's step time by phase: 2 epochs x 3 steps (48 images a rank,
+    // batches of 16); the phases are parts of the whole, the gradient wait
+    // a part of backward.
+    {
+      const auto at = summary.find("\"step_ms\": {");
+      REQUIRE(at != std::string::npos);
+      const auto object = summary.substr(at, summary.find('}', at) - at);
+      CAPTURE(object);
+      auto ms = [&](const std::string& k) {
+        const auto f = object.find("\"" + k + "\":");
+        REQUIRE(f != std::string::npos);
+        return std::stod(object.substr(f + k.size() + 3));
+      };
+      CHECK(ms("steps") == 6);
+      CHECK(ms("forward") > 0);
+      CHECK(ms("backward") > 0);
+      CHECK(ms("grad_wait") >= 0);
+      CHECK(ms("grad_wait") <= ms("backward"));
+      CHECK(ms("data_wait") >= 0);
+      CHECK(ms("agreement") > 0);  // an all-reduce a step
+      CHECK(ms("optimizer") > 0);
+      CHECK(ms("other") >= -1e-6);
+      CHECK(ms("data_wait") + ms("forward") + ms("backward") + ms("agreement") +
+                ms("optimizer") + ms("other") ==
+            doctest::Approx(ms("total")).epsilon(1e-3));
+    }
     auto log0 = read_file(dir / "stdout0"), log1 = read_file(dir / "stdout1");
+    CHECK(count_of(log0, "time per step ") == 1);
     CHECK(count_of(log0, "epoch 1/2 ") == 1);
     CHECK(count_of(log0, "epoch 2/2 ") == 1);
     CHECK(log1.empty());

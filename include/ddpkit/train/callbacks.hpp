@@ -43,6 +43,7 @@
 #include "ddpkit/detail/atomic_file.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/metrics.hpp"
+#include "ddpkit/train/step_times.hpp"
 #include "ddpkit/train/task.hpp"
 #include "ddpkit/train/tensorboard.hpp"
 
@@ -93,6 +94,7 @@ struct FitState {
   int signal = 0;           ///< the signal that stopped the run, or 0
   torch::nn::Module* module = nullptr;      ///< the model being trained
   CheckpointWriter* checkpoints = nullptr;  ///< for checkpoint callbacks
+  StepTimes times;  ///< where this rank's step time went, this fit
 };
 
 /// After resuming, before the first epoch.
@@ -330,6 +332,7 @@ class ProgressDisplay {
     progress_.end_epoch(e.metrics);
   }
   void on(const FitEnd& e) {
+    if (e.state.times.steps > 0) progress_.line(e.state.times.line());
     if (!e.state.stop_reason.empty()) progress_.line(e.state.stop_reason);
   }
 

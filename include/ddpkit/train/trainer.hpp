@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -47,6 +48,7 @@
 #include "ddpkit/train/reduction.hpp"
 #include "ddpkit/train/run_folder.hpp"
 #include "ddpkit/train/signals.hpp"
+#include "ddpkit/train/step_times.hpp"
 #include "ddpkit/train/task.hpp"
 #include "ddpkit/train/tensorboard.hpp"
 #include "ddpkit/version.hpp"
@@ -66,6 +68,7 @@ struct FitResult {
   int epochs_run = 0;
   bool stopped_early = false;
   double total_seconds = 0;
+  StepTimes step_times;  ///< where this rank's step time went
 };
 
 /// The task's metrics over a dataset, the same on every rank.
@@ -209,9 +212,16 @@ class Trainer : private CheckpointWriter {
       emit(EpochBegin{s});
       restore_generator();            // resuming mid-epoch: as it was there
       std::vector<data::Batch> step;  // one optimizer step's batches
+      auto asked = clock::now();      // for the next step's batches
       while (next_step(batches, step)) {
+        const auto got = clock::now();
+        s.times.data += seconds_between(asked, got);
         const int sig = train_step(step, s, signals, emit);
         emit(StepEnd{s});
+        const auto done = clock::now();
+        s.times.total += seconds_between(asked, done);
+        ++s.times.steps;
+        asked = done;
         if (sig != 0) {
           stop_on_signal(s, sig, /*mid_epoch=*/true, emit);
         }
@@ -363,6 +373,8 @@ class Trainer : private CheckpointWriter {
         .add("train_images_per_second",
              train_seconds > 0 ? images / train_seconds : 0.0)
         .add("epoch_images_per_second", seconds > 0 ? images / seconds : 0.0);
+    // Rank 0's step time by phase, ms per step (StepTimes).
+    if (r.step_times.steps > 0) j.raw("step_ms", r.step_times.json());
     if (options_.accumulate() > 1) j.add("accumulate", options_.accumulate());
     if (options_.keep_best() != 1) j.add("keep_best", options_.keep_best());
     if (options_.clip().max_norm() > 0) {
@@ -627,6 +639,8 @@ class Trainer : private CheckpointWriter {
       std::array<double, num_sums> sums;
     };
     std::vector<Done> done;
+    StepTimes& times = s.times;
+    const auto me = std::this_thread::get_id();
     for (std::size_t i = 0; i < step.size(); ++i) {
       torch::Tensor x = to_device_input(step[i].data, /*non_blocking=*/true);
       torch::Tensor y = step[i].target.to(device_, /*non_blocking=*/true);
@@ -634,7 +648,11 @@ class Trainer : private CheckpointWriter {
       const double weight = step.size() == 1 ? 1.0 : n / step_samples;
       // Loss as backpropagated: weighted, and scaled under AMP.
       const double factor = weight * scale;
+      // The loss is taken when the forward is done: on this thread (not
+      // DataParallel's other replicas), that moment splits the step.
+      auto forward_end = clock::now();
       auto loss_fn = [&](const torch::Tensor& a, const torch::Tensor& b) {
+        if (std::this_thread::get_id() == me) forward_end = clock::now();
         return task_.loss(a, b);
       };
       auto run = [&] {
@@ -642,22 +660,29 @@ class Trainer : private CheckpointWriter {
           ddpkit::compat::AutocastGuard on(autocast_state());
           return engine_.forward_backward(
               x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
-                return task_.loss(a.to(torch::kFloat32), b) * factor;
+                return loss_fn(a.to(torch::kFloat32), b) * factor;
               });
         }
         if (factor == 1.0) return engine_.forward_backward(x, y, loss_fn);
         return engine_.forward_backward(
             x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
-              return task_.loss(a, b) * factor;
+              return loss_fn(a, b) * factor;
             });
       };
+      const auto start = clock::now();
       parallel::StepOutput o;
       if (i + 1 < step.size()) {
         [[maybe_unused]] auto local_only = engine_.no_sync();  // sync last
         o = run();
       } else {
         o = run();
+        if constexpr (engine_reports_wait<engine_type>) {
+          times.grad_wait += engine_.last_wait_seconds();
+        }
       }
+      const auto end = clock::now();
+      times.forward += seconds_between(start, forward_end);
+      times.backward += seconds_between(forward_end, end);
       const double loss = factor == 1.0
                               ? o.loss.template item<double>()
                               : o.loss.template item<double>() / factor;
@@ -669,8 +694,11 @@ class Trainer : private CheckpointWriter {
     for (const Done& d : done)
       loss_finite = loss_finite && std::isfinite(d.loss);
     const bool check = options_.check_finite() && !amp;
+    const auto agree_start = clock::now();
     const Agreement a = agree_on_step(signals, check, loss_finite,
                                       !check || grads_finite(*s.module));
+    const auto agree_end = clock::now();
+    times.agree += seconds_between(agree_start, agree_end);
     if (check && (a.nonfinite_rank >= 0 || a.nonfinite_grads)) {
       skip_or_stop_nonfinite(s, a, done.size());
       return a.signal;
@@ -683,6 +711,7 @@ class Trainer : private CheckpointWriter {
       }
       optimizer_->step();
     }
+    times.optimizer += seconds_between(agree_end, clock::now());
     for (const Done& d : done) {  // after the step, batch by batch
       s.loss_sum += d.loss * d.n;
       s.count += d.n;
@@ -927,6 +956,7 @@ class Trainer : private CheckpointWriter {
     result.history = std::move(s.history);
     result.total_seconds =
         std::chrono::duration<double>(clock::now() - fit_start).count();
+    result.step_times = s.times;
     if (is_main()) write_summary(result, nullptr);
     return result;
   }

@@ -1,0 +1,81 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// Where a training step's time goes on one rank, summed over a fit: waiting
+// for the loader, forward (with the loss), backward (with the gradient
+// all-reduces it overlaps and the wait for the last ones), the ranks'
+// per-step agreement, the optimizer step, and the rest (batches to the
+// device, metric sums, callbacks). Steady-clock readings on the thread
+// that trains: on a CPU they are the work itself; CUDA kernels run
+// asynchronously, so there a phase's time is when the host got past it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "ddpkit/detail/json.hpp"
+#include "ddpkit/detail/strings.hpp"
+
+namespace ddpkit::train {
+
+/// Seconds per phase, summed over `steps` optimizer steps.
+struct StepTimes {
+  std::int64_t steps = 0;
+  double total = 0;      ///< from asking for the batches to the step's end
+  double data = 0;       ///< waiting for the step's batches
+  double forward = 0;    ///< forward and loss (DataParallel: replica 0's)
+  double backward = 0;   ///< backward, including `grad_wait`
+  double grad_wait = 0;  ///< of `backward`: waiting for gradient all-reduces
+  double agree = 0;      ///< the ranks' agreement (signals, finiteness)
+  double optimizer = 0;  ///< unscale, clip and the optimizer's step
+
+  /// What no phase above counts (batches to the device, metric sums,
+  /// callbacks such as checkpoints).
+  double other() const {
+    return total - data - forward - backward - agree - optimizer;
+  }
+
+  /// Milliseconds per step, phase by phase, as a JSON object.
+  std::string json() const {
+    ddpkit::detail::JsonObject j;
+    j.add("steps", static_cast<long long>(steps))
+        .add("total", ms(total))
+        .add("data_wait", ms(data))
+        .add("forward", ms(forward))
+        .add("backward", ms(backward))
+        .add("grad_wait", ms(grad_wait))
+        .add("agreement", ms(agree))
+        .add("optimizer", ms(optimizer))
+        .add("other", ms(other()));
+    return j.compact();
+  }
+
+  /// "time per step 812.4 ms: data wait 1.2, forward 240.0, …" (ms).
+  std::string line() const {
+    using ddpkit::detail::cat;
+    auto f = [](double v) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%.1f", v);
+      return std::string(b);
+    };
+    return cat("time per step ", f(ms(total)), " ms (mean of ", steps,
+               " steps, this rank): data wait ", f(ms(data)), ", forward ",
+               f(ms(forward)), ", backward ", f(ms(backward)),
+               " (of which waiting for gradients ", f(ms(grad_wait)),
+               "), agreement ", f(ms(agree)), ", optimizer ", f(ms(optimizer)),
+               ", other ", f(ms(other())));
+  }
+
+ private:
+  double ms(double seconds) const {
+    return steps > 0 ? 1000.0 * seconds / static_cast<double>(steps) : 0.0;
+  }
+};
+
+/// Seconds between two readings of the steady clock.
+inline double seconds_between(std::chrono::steady_clock::time_point a,
+                              std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace ddpkit::train
