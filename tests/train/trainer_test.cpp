@@ -1794,6 +1794,40 @@ sys.exit(0 if worst < 1e-6 else 1)
     if (rc != -1) CHECK(rc == 0);
   }
 
+  TEST_CASE(
+      "gradients_finite: finite gradients whose sum overflows are finite; "
+      "one NaN or infinity anywhere is not") {
+    auto params = [](std::vector<torch::Tensor> grads) {
+      std::vector<torch::Tensor> ps;
+      for (auto& g : grads) {
+        ps.push_back(torch::zeros_like(g).requires_grad_());
+        ps.back().mutable_grad() = g;
+      }
+      ps.push_back(torch::zeros({3}).requires_grad_());  // no gradient
+      return ps;
+    };
+    const float big = 3e38f;  // two of them overflow float32
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float inf = std::numeric_limits<float>::infinity();
+    CHECK(train::gradients_finite({}));
+    CHECK(train::gradients_finite(params({torch::randn({4, 3})})));
+    CHECK(train::gradients_finite(params({torch::full({2}, big)})));
+    CHECK(train::gradients_finite(
+        params({torch::full({1}, big), torch::full({1}, big)})));
+    CHECK(train::gradients_finite(params({torch::full({2}, -big)})));
+    for (const float bad : {nan, inf, -inf}) {
+      CAPTURE(bad);
+      auto g = torch::randn({1000});
+      g[537] = bad;
+      CHECK_FALSE(train::gradients_finite(params({torch::randn({5}), g})));
+      // With a sum that already overflows (inf + -inf would hide nothing:
+      // the element check decides).
+      auto h = torch::full({4}, big);
+      h[2] = bad;
+      CHECK_FALSE(train::gradients_finite(params({h})));
+    }
+  }
+
   TEST_CASE("accumulation and clipping options: bad values name the option") {
     TempDir out;
     auto make = [&](TrainerOptions o) {

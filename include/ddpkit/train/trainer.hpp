@@ -787,11 +787,7 @@ class Trainer : private CheckpointWriter {
 
   /// Whether every gradient of `module` is finite (one host sync).
   static bool grads_finite(const torch::nn::Module& module) {
-    std::vector<torch::Tensor> flags;
-    for (const auto& p : module.parameters()) {
-      if (p.grad().defined()) flags.push_back(torch::isfinite(p.grad()).all());
-    }
-    return flags.empty() || torch::stack(flags).all().template item<bool>();
+    return gradients_finite(module.parameters());
   }
 
   /// A step whose loss or gradients were not finite, not taken: skipped
