@@ -114,11 +114,12 @@ int main(int argc, char** argv) {
         if (group.is_main() && !args.quiet) {
           std::printf(
               "char_lm %s: world size %d, %zu train / %zu val windows of "
-              "%lld chars, vocabulary %lld (%s), %lld parameters\n",
+              "%lld chars, vocabulary %lld (%s), %lld parameters; %s\n",
               Mode::name, Mode::is_multi_process ? group.size() : 1,
               train_set.size(), val_set.size(), static_cast<long long>(context),
               static_cast<long long>(vocab.size()), path.c_str(),
-              static_cast<long long>(char_lm::parameter_count(model)));
+              static_cast<long long>(char_lm::parameter_count(model)),
+              ddpkit::cli::precision_summary(args, /*layout=*/false).c_str());
         }
         auto opts = ddpkit::cli::trainer_options(args).run_name("char-lm");
         auto parallel = ddpkit::parallel_options<Mode>(args.devices);

@@ -108,14 +108,15 @@ int main(int argc, char** argv) {
           std::printf(
               "cifar10 %s: world size %d on %d host%s (transport %s), %zu "
               "train / %zu val "
-              "/ %zu test images (%s)%s%s\n",
+              "/ %zu test images (%s)%s%s; %s\n",
               Mode::name, Mode::is_multi_process ? group.size() : 1,
               group.hosts(), group.hosts() == 1 ? "" : "s",
               Mode::is_multi_process ? group.transport().c_str() : "none",
               split.train.size(), split.val.size(), test.size(),
               args.data.empty() ? "built-in synthetic set" : args.data.c_str(),
               Mode::is_multi_process ? ", gradients: " : "",
-              Mode::is_multi_process ? comm.c_str() : "");
+              Mode::is_multi_process ? comm.c_str() : "",
+              ddpkit::cli::precision_summary(args).c_str());
         }
         // Initial weights from the seed; DDP then broadcasts rank 0's to all.
         torch::manual_seed(args.seed);

@@ -139,11 +139,12 @@ int main(int argc, char** argv) {
           std::printf(
               "flowers-resnet34 %s: world size %d on %d host%s (transport %s), "
               "%zu train / "
-              "%zu val images, %d classes, %dpx\n",
+              "%zu val images, %d classes, %dpx; %s\n",
               Mode::name, Mode::is_multi_process ? group.size() : 1,
               group.hosts(), group.hosts() == 1 ? "" : "s",
               Mode::is_multi_process ? group.transport().c_str() : "none",
-              folder.train.size(), folder.val.size(), num_classes, image_size);
+              folder.train.size(), folder.val.size(), num_classes, image_size,
+              ddpkit::cli::precision_summary(args).c_str());
         }
         torch::manual_seed(args.seed);
         auto model = ddpkit::nn::resnet34(num_classes);

@@ -198,6 +198,16 @@ inline train::Precision precision_of(const CommonArgs& args) {
                                         : train::Precision::fp32;
 }
 
+/// "precision 32, memory format contiguous": the settings an example's
+/// first output line names (`layout` false: precision only).
+inline std::string precision_summary(const CommonArgs& args,
+                                     bool layout = true) {
+  std::string s =
+      std::string("precision ") + train::precision_name(precision_of(args));
+  if (layout) s += ", memory format " + args.memory_format;
+  return s;
+}
+
 /// The Trainer options the common flags set (epochs, lr, output, resume,
 /// steps, seed, output level, AMP, accumulation, clipping, TensorBoard,
 /// best checkpoints); the example adds its own (schedule, patience, name).

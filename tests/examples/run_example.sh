@@ -23,6 +23,17 @@ acc=$(sed -n 's/.*"final_val_acc": \([0-9.e-]*\).*/\1/p' "$out/summary.json")
 cat "$out/summary.json"
 awk -v a="$acc" -v m="$min_acc" 'BEGIN { if (a + 0 < m + 0) { printf "final val_acc %s below %s\n", a, m; exit 1 } }'
 echo "final val_acc $acc >= $min_acc"
+# The precision and memory layout the run used, as the flags chose them.
+want_precision=32 want_format=contiguous
+for ((i = 1; i <= $#; i++)); do
+  case ${!i} in
+    --precision) j=$((i + 1)); want_precision=${!j} ;;
+    --memory-format) j=$((i + 1)); want_format=${!j} ;;
+  esac
+done
+grep -qF "\"precision\": \"$want_precision\"" "$out/summary.json" &&
+  grep -qF "\"memory_format\": \"$want_format\"" "$out/summary.json" ||
+  { echo "summary.json lacks precision $want_precision / memory_format $want_format"; exit 1; }
 # The version, as include/ddpkit/version.hpp says it.
 version=$(sed -n 's/^#define DDPKIT_VERSION_STRING "\(.*\)"/\1/p' "$(dirname "$0")/../../include/ddpkit/version.hpp")
 grep -qF "\"ddpkit_version\": \"$version\"" "$out/summary.json" ||

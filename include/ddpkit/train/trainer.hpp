@@ -343,6 +343,8 @@ class Trainer : private CheckpointWriter {
         .add("lr_scaling", std::string(LRScaling::name))
         .add("evaluation", std::string(Reduction::name))
         .add("task", std::string(Task::name))
+        .add("precision", precision_name(options_.precision()))
+        .add("memory_format", memory_format_name(options_.memory_format()))
         .add("epochs_run", r.epochs_run)
         .add("stopped_early", r.stopped_early)
         .add("monitor", r.monitor.name)
