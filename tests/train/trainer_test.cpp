@@ -276,6 +276,25 @@ DDPKIT_WORKER(trainer_bf16) {
   return 0;
 }
 
+/// DDP at world 2, bf16-mixed, the Mlp (no BatchNorm: its statistics would
+/// be per micro-batch): batches of 5 per rank, 2 per step, clipped at norm
+/// T_CLIP (0: off): each step is the whole set of 20.
+DDPKIT_WORKER(trainer_bf16_accumulate) {
+  auto g = test::worker_group();
+  const double clip = std::atof(std::getenv("T_CLIP"));
+  torch::manual_seed(1);
+  auto d = accumulation_data();
+  DDPTrainer<Mlp> trainer(
+      Mlp(), sgd_momentum(kAccLr),
+      bf16_options(test::worker_dir() / "out", train::Precision::bf16_mixed)
+          .accumulate(2)
+          .clip(train::ClipOptions().max_norm(clip)),
+      g);
+  trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+              data::LoaderOptions(5).workers(0));
+  return 0;
+}
+
 /// DDP at world 2 with T_BATCH per rank, T_ACC batches per step, clipping at
 /// T_CLIP (0: off). Writes the synchronised steps and the collectives
 /// started during fit.
@@ -1698,6 +1717,43 @@ TEST_SUITE("train") {
             bf16_options(out.path(), train::Precision::fp16_mixed)),
         doctest::Contains("precision 16-mixed needs a CUDA device"),
         UsageError);
+  }
+
+  TEST_CASE(
+      "bf16-mixed with accumulation, with and without clipping: DDP at "
+      "world 2, 2 batches of 5 per rank and step, equals one process on the "
+      "joined batch of 20 within 2^-8") {
+    auto d = accumulation_data();
+    for (const double clip : {0.0, 0.5}) {
+      CAPTURE(clip);
+      auto one_process = [&](train::Precision p) {
+        TempDir out;
+        torch::manual_seed(1);
+        SingleDeviceTrainer<Mlp> t(
+            Mlp(), sgd_momentum(kAccLr),
+            bf16_options(out.path(), p)
+                .clip(train::ClipOptions().max_norm(clip)));
+        t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+              data::LoaderOptions(20).workers(0));
+        return model_of(out / "checkpoints" / "last.pt");
+      };
+      const auto fp32 = one_process(train::Precision::fp32);
+      const auto bf16 = one_process(train::Precision::bf16_mixed);
+      TempDir dir;
+      auto res = run_workers("trainer_bf16_accumulate", 2, dir.str(),
+                             {{"T_CLIP", std::to_string(clip)}});
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      const auto ddp = model_of(dir / "out/checkpoints/last.pt");
+      const double precision_effect = worst_relative_diff(bf16, fp32);
+      const double diff = worst_relative_diff(ddp, bf16);
+      MESSAGE(
+          "clip ", clip,
+          ": bf16-mixed against 32, one process: ", precision_effect,
+          "; DDP accumulating against one process, both bf16-mixed: ", diff);
+      CHECK(precision_effect > 1e-4);  // bfloat16 was in effect
+      CHECK(diff < 1.0 / 256);
+    }
   }
 
   TEST_CASE(
