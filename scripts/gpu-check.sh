@@ -11,10 +11,14 @@
 #      ddpkit against PyTorch eager with torchvision's resnet34, side by
 #      side on the same GPU: on synthetic tensors (ddpkit_gpu_throughput vs
 #      scripts/gpu_pytorch_baseline.py), and on a generated JPEG folder
-#      (flowers-resnet34-single vs torchvision's ImageFolder + DataLoader).
+#      (flowers-resnet34-single vs torchvision's ImageFolder + DataLoader);
+#      the flowers example also at --precision bf16-mixed (ddpkit only:
+#      the PyTorch scripts have --amp, not bf16; added at stop 38, not yet
+#      run on a GPU).
 #
 # Writes $OUT/gpu.json (one JSON object per run), $OUT/GPU.md (the table for
-# docs/GPU.md) and $OUT/gpu-check.log. About 4 minutes on an H200.
+# docs/GPU.md) and $OUT/gpu-check.log. About 4 minutes on an H200 (before
+# the bf16 run was added).
 #
 #   here:   scripts/gpu-prepare.sh
 #   device: run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=540)
@@ -72,12 +76,14 @@ done
 
 stamp "2b. throughput on a generated JPEG folder (224 px, batch 64, 20 steps + validation per epoch)"
 work=$(mktemp -d)
-for amp in "" --amp; do
-  mode=${amp:+amp}; mode=${mode:-fp32}
+# ddpkit at --precision 32 / 16-mixed / bf16-mixed (PyTorch's baseline at
+# the first two: its script has --amp only).
+for prec in 32 16-mixed bf16-mixed; do
+  case $prec in 32) mode=fp32 amp="" ;; 16-mixed) mode=amp amp=--amp ;; *) mode=bf16 amp="" ;; esac
   run=$work/flowers-$mode
   timeout 300 .gpu/bin/flowers-resnet34-single --image-size 224 --batch-size 64 --epochs 2 \
-    --max-steps 20 --synthetic-per-class 300 --workers 12 --threads 4 --out "$run" --quiet $amp \
-    > "$OUT/flowers-$mode.log" 2>&1
+    --max-steps 20 --synthetic-per-class 300 --workers 12 --threads 4 --out "$run" --quiet \
+    --precision "$prec" > "$OUT/flowers-$mode.log" 2>&1
   # The second epoch (the first warms up cuDNN and the loader).
   "$PY" - "$run" "$mode" >> "$results" <<'PY'
 import json, sys
@@ -93,6 +99,7 @@ except Exception as e:  # noqa: BLE001
     print(json.dumps({"error": f"flowers-resnet34-single {mode}: {e}"}))
 PY
   tail -n 1 "$results"
+  [[ $mode == bf16 ]] && continue
   nval=$(( 5 * 300 / 5 ))
   record timeout 300 "$PY" scripts/gpu_pytorch_baseline.py --data "folder=$work/flowers-fp32/synthetic_flower_photos" \
     --image-size 224 --batch-size 64 --steps 20 --val-images $nval --workers 12 $amp
@@ -125,8 +132,13 @@ def find(impl, data, mode):
             return r.get("img_per_s")
     return None
 for data in ("tensors", "jpeg-folder"):
-    for mode in ("fp32", "amp"):
+    for mode in ("fp32", "amp", "bf16"):
         a, b = find("ddpkit", data, mode), find("pytorch", data, mode)
+        if mode == "bf16" and data == "tensors":
+            continue  # bf16-mixed: the flowers example only
+        if mode == "bf16":
+            out.append(f"| {data} | bf16 | {a or 'failed'} | not run | n/a |")
+            continue
         ratio = f"{a / b:.2f}" if a and b else "n/a"
         out.append(f"| {data} | {mode} | {a or 'failed'} | {b or 'failed'} | {ratio} |")
 errors = [r["error"] for r in rows if "error" in r]
