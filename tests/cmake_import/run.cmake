@@ -14,6 +14,12 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefi
 if(rc)
   message(FATAL_ERROR "install failed")
 endif()
+# The flight records' reader is installed and runs (it says how to use it).
+execute_process(COMMAND ${prefix}/bin/ddpkit-doctor --help RESULT_VARIABLE rc
+                OUTPUT_VARIABLE doctor_help)
+if(rc OR NOT doctor_help MATCHES "flight")
+  message(FATAL_ERROR "the installed bin/ddpkit-doctor --help failed (${rc})")
+endif()
 # The consumers build with the main build's release flags (scripts/test.sh
 # uses -O1 to keep CI short) and its compiler launcher (ccache).
 set(consumer_args -G Ninja -DCMAKE_BUILD_TYPE=Release

@@ -708,6 +708,233 @@ TEST_SUITE("dist") {
     }
   }
 
+  // ---- the flight recorder and ddpkit-doctor
+  // ----------------------------------------
+
+  // Both ranks run the same tagged collectives; then rank 1 skips the
+  // "bucket 3" all-reduce rank 0 starts and goes on to a broadcast of an
+  // int64 (the "stop flag"): a desync that hangs until the timeout.
+  // T_FLIGHT_STOP=1: rank 1 stops (sleeps) instead, before the all-reduce.
+  DDPKIT_WORKER(flight_desync) {
+    auto g = ddpkit::test::worker_group();
+    {
+      dist::CollectiveTag tag("metrics");
+      for (int i = 0; i < 3; ++i) {
+        auto t = torch::ones({10});
+        dist::all_reduce(g, t);
+      }
+    }
+    dist::barrier(g);
+    try {
+      if (g.rank() == 0) {
+        dist::CollectiveTag tag("bucket", 3);
+        auto t = torch::ones({1000});
+        dist::all_reduce(g, t);
+      } else if (std::getenv("T_FLIGHT_STOP") != nullptr) {
+        std::this_thread::sleep_for(std::chrono::seconds(60));
+        return 0;
+      } else {
+        dist::CollectiveTag tag("stop flag");
+        auto t = torch::zeros({1}, torch::kInt64);
+        dist::broadcast(g, t, 0);
+      }
+    } catch (const PeerFailure& e) {
+      std::ofstream(ddpkit::test::worker_dir() /
+                    ("error" + std::to_string(g.rank())))
+          << e.what();
+      return 4;
+    }
+    return 0;
+  }
+
+  namespace {
+  /// Runs ddpkit-doctor on `args`: its exit status and standard output.
+  std::pair<int, std::string> run_doctor(const TempDir& dir,
+                                         const std::string& args) {
+    const auto out = dir / "doctor.txt";
+    const std::string cmd = std::string("python3 ") + DDPKIT_DOCTOR + " " +
+                            args + " > " + out.string() + " 2>&1";
+    const int status = std::system(cmd.c_str());
+    std::ifstream in(out);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
+  }
+  }  // namespace
+
+  TEST_CASE(
+      "flight recorder: a desync (rank 1 skipped a collective) is dumped by "
+      "both ranks and ddpkit-doctor names both sides") {
+    TempDir dir;
+    const auto flight = dir / "flight";
+    auto [res, secs] =
+        test::timed_run_workers("flight_desync", 2, dir.str(),
+                                {{"DDPKIT_COLLECTIVE_TIMEOUT", "2"},
+                                 {"DDPKIT_FLIGHT_DIR", flight.string()}});
+    CHECK(res.exit_code == 4);
+    CHECK(secs < 20);
+    std::ifstream in(dir / "error0");
+    std::string msg((std::istreambuf_iterator<char>(in)), {});
+    CAPTURE(msg);
+    CHECK(msg.find("(flight record: " + (flight / "rank-0.json").string() +
+                   ")") != std::string::npos);
+    REQUIRE(std::filesystem::exists(flight / "rank-0.json"));
+    REQUIRE(std::filesystem::exists(flight / "rank-1.json"));
+    auto [code, text] = run_doctor(dir, flight.string());
+    CAPTURE(text);
+    CHECK(code == 1);
+    // The three "metrics" all-reduces are #0-#2, the barrier #3, then the
+    // two sides of #4.
+    CHECK(text.rfind("fault: collective #4 (default group): rank 1 broadcast "
+                     "8 B Long (stop flag) vs rank 0 all_reduce 4.0 kB Float "
+                     "(bucket 3): the ranks called different collectives "
+                     "(desync)",
+                     0) == 0);
+    CHECK(text.find("rank 0 failed after") != std::string::npos);
+  }
+
+  TEST_CASE(
+      "flight recorder: a stopped rank writes nothing; the other rank's "
+      "record shows where it waited and ddpkit-doctor names the missing "
+      "rank") {
+    TempDir dir;
+    const auto flight = dir / "flight";
+    auto [res, secs] =
+        test::timed_run_workers("flight_desync", 2, dir.str(),
+                                {{"DDPKIT_COLLECTIVE_TIMEOUT", "2"},
+                                 {"DDPKIT_FLIGHT_DIR", flight.string()},
+                                 {"T_FLIGHT_STOP", "1"}});
+    CHECK(res.exit_code == 4);
+    REQUIRE(std::filesystem::exists(flight / "rank-0.json"));
+    CHECK_FALSE(std::filesystem::exists(flight / "rank-1.json"));
+    auto [code, text] = run_doctor(dir, dir.str());  // OUT works too
+    CAPTURE(text);
+    CHECK(code == 1);
+    CHECK(text.rfind("fault: rank 1 wrote no flight record", 0) == 0);
+    CHECK(text.find("rank 0 failed after ") != std::string::npos);
+    CHECK(text.find("in collective #4 all_reduce 4.0 kB Float (bucket 3)") !=
+          std::string::npos);
+    // Every collective before #4 completed on rank 0.
+    const auto record = ddpkit::detail::read_whole_file(flight / "rank-0.json",
+                                                        "flight record");
+    CHECK(record.find("\"seq\":3,\"group\":\"default\",\"kind\":\"all_reduce\","
+                      "\"dtype\":\"Byte\"") != std::string::npos);
+  }
+
+  TEST_CASE(
+      "ddpkit-doctor: records of a healthy run are no fault; bad input "
+      "exits 2 naming the file") {
+    TempDir dir;
+    const auto flight = dir / "flight";
+    std::filesystem::create_directories(flight);
+    for (int r = 0; r < 2; ++r) {
+      dist::FlightRecorder rec(8, r, 2, "h");
+      for (int i = 0; i < 12; ++i) {  // more than the ring holds
+        auto t = torch::ones({4});
+        dist::CollectiveTag tag("bucket", i % 2);
+        rec.end(rec.start(0, "all_reduce", &t, t.nbytes()));
+      }
+      rec.set_dump_dir(flight);
+      REQUIRE(rec.dump("test") ==
+              flight / ("rank-" + std::to_string(r) + ".json"));
+      CHECK(rec.entries().size() == 8);
+      CHECK(rec.entries().front().seq == 4);
+    }
+    auto [code, text] = run_doctor(dir, flight.string());
+    CAPTURE(text);
+    CHECK(code == 0);
+    CHECK(text.rfind("no fault found: 2 rank(s) recorded, every collective "
+                     "matches and completed (up to #11)",
+                     0) == 0);
+    std::ofstream(flight / "rank-1.json") << "{not json";
+    std::tie(code, text) = run_doctor(dir, flight.string());
+    CHECK(code == 2);
+    CHECK(text.find("cannot read " + (flight / "rank-1.json").string()) !=
+          std::string::npos);
+  }
+
+  // ---- the liveness watch
+  // ---------------------------------------------------------
+
+  // Rank 1 stops itself (SIGSTOP) after a barrier; rank 0 waits for it in
+  // an all-reduce with the default collective timeout (300 s).
+  DDPKIT_WORKER(liveness_stopped_rank) {
+    auto g = ddpkit::test::worker_group();
+    dist::barrier(g);
+    const auto dir = ddpkit::test::worker_dir();
+    std::ofstream(dir / ("pid" + std::to_string(g.rank())))
+        << ::getpid() << "\n";
+    std::ofstream(dir / ("t" + std::to_string(g.rank())))
+        << dist::FlightRecorder::now_us() << "\n";
+    if (g.rank() == 1) {
+      ::raise(SIGSTOP);
+      return 0;
+    }
+    dist::CollectiveTag tag("bucket", 0);
+    auto t = torch::ones({100});
+    dist::all_reduce(g, t);
+    return 0;
+  }
+
+  // Busy ranks are not lost: rank 1 computes 8 s before an all-reduce rank
+  // 0 waits in; then rank 0 "evaluates alone" 8 s while rank 1 waits for it
+  // through the store (broadcast_when_ready). Run with a 3 s silence limit.
+  DDPKIT_WORKER(liveness_busy_ranks) {
+    auto g = ddpkit::test::worker_group();
+    dist::barrier(g);
+    if (g.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(8));
+    auto t = torch::ones({100});
+    dist::all_reduce(g, t);
+    if (g.rank() == 0) std::this_thread::sleep_for(std::chrono::seconds(8));
+    auto v = torch::full({1}, g.rank() == 0 ? 7.0 : 0.0);
+    dist::broadcast_when_ready(g, v, 0, std::chrono::seconds(60), "evaluation");
+    return v.item<double>() == 7.0 && t[0].item<float>() == 2.0f ? 0 : 1;
+  }
+
+  TEST_CASE(
+      "liveness: a stopped rank (SIGSTOP) is named by the other within 30 s "
+      "at the default settings, with its pid, in the flight record") {
+    TempDir dir;
+    const auto flight = dir / "flight";
+    auto [res, secs] =
+        test::timed_run_workers("liveness_stopped_rank", 2, dir.str(),
+                                {{"DDPKIT_FLIGHT_DIR", flight.string()}});
+    CHECK(res.exit_code == kPeerFailureExitCode);
+    REQUIRE(std::filesystem::exists(flight / "rank-0.json"));
+    const auto record =
+        ddpkit::detail::read_whole_file(flight / "rank-0.json", "record");
+    std::string pid1;
+    std::ifstream(dir / "pid1") >> pid1;
+    CAPTURE(record.substr(0, 600));
+    CHECK(record.find("\"reason\": \"lost: rank 1 (pid " + pid1 +
+                      " on host '") != std::string::npos);
+    CHECK(record.find("sent no heartbeat for 15.0 s") != std::string::npos);
+    CHECK(record.find("(bucket 0)") != std::string::npos);
+    // From the barrier to rank 0's record (the launcher's SIGKILL of the
+    // stopped rank comes after).
+    long long t0 = 0;
+    std::ifstream(dir / "t0") >> t0;
+    const auto at = record.find("\"time_us\": ");
+    REQUIRE(at != std::string::npos);
+    const double took =
+        static_cast<double>(std::stoll(record.substr(at + 11)) - t0) / 1e6;
+    MESSAGE("rank 1 declared lost ", took, " s after it stopped");
+    CHECK(took < 30);
+    CHECK(took >= 15);
+    auto [code, text] = run_doctor(dir, flight.string());
+    CHECK(code == 1);
+    CHECK(text.rfind("fault: rank 1 wrote no flight record", 0) == 0);
+  }
+
+  TEST_CASE(
+      "liveness: ranks busy longer than the silence limit (computing, or "
+      "evaluating alone) are not declared lost") {
+    TempDir dir;
+    auto res = run_workers("liveness_busy_ranks", 2, dir.str(),
+                           {{"DDPKIT_LIVENESS_TIMEOUT", "3"}});
+    CHECK(res.ok());
+    CHECK(res.message == "");
+  }
+
   TEST_CASE("rendezvous with a missing rank times out with a clear error") {
     for (std::string method : {"tcp", "file"}) {
       CAPTURE(method);

@@ -288,6 +288,18 @@ inline bool can_use_agent_store() {
 #endif
 }
 
+/// A second client of `store` with a connection (and lock) of its own, so a
+/// thread can use it while another waits in the first; null where this
+/// libtorch's stores cannot be cloned (before 2.5).
+inline StorePtr clone_store(const StorePtr& store) {
+#if DDPKIT_TORCH_AT_LEAST(2, 5)
+  return store ? store->clone() : StorePtr();
+#else
+  (void)store;
+  return StorePtr();
+#endif
+}
+
 inline StorePtr make_prefix_store(const std::string& prefix, StorePtr inner) {
   return c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(inner));
 }

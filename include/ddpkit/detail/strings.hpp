@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // ddpkit's string helpers, one of each: `cat` (stream anything into one
-// string), `join`, and `first_line` (the first line of a multi-line message,
-// e.g. a c10::Error without its backtrace).
+// string), `join`, `first_line` (the first line of a multi-line message,
+// e.g. a c10::Error without its backtrace) and `fixed` (a number with so
+// many decimals).
 #pragma once
 
+#include <cstdio>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -35,6 +37,13 @@ std::string join(const Range& range, std::string_view sep) {
 /// `text` up to its first newline.
 inline std::string first_line(std::string_view text) {
   return std::string(text.substr(0, text.find('\n')));
+}
+
+/// `v` with `digits` digits after the point: `fixed(2.04, 1)` is "2.0".
+inline std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
 }
 
 }  // namespace ddpkit::detail

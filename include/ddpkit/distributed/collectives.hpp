@@ -20,22 +20,37 @@ namespace detail {
 
 inline void wait(const Group& g, const compat::WorkPtr& work,
                  const char* what) {
+  const auto& recorder = g.flight_recorder();
   auto peer_failed = [&](const std::exception& e) {
-    std::string msg = e.what();
+    std::string msg = ddpkit::detail::first_line(e.what());
+    std::string where;
+    if (recorder) {
+      recorder->end(work, msg);
+      const auto path = recorder->dump(ddpkit::detail::cat(what, " failed"));
+      if (!path.empty()) {
+        where = ddpkit::detail::cat(" (flight record: ", path.string(), ")");
+      }
+    }
     throw PeerFailure(ddpkit::detail::cat(
         "rank ", g.rank(), ": ", what, " failed (a peer may have died or the ",
         "collective timed out after ", g.timeout().count() / 1000.0,
-        " s): ", ddpkit::detail::first_line(msg)));
+        " s): ", msg, where));
   };
   try {
     work->wait();
   } catch (const PeerFailure& e) {
     peer_failed(e);
-  } catch (const DistError&) {
-    throw;  // e.g. ranks that disagree on the collective: said precisely
+  } catch (const DistError& e) {
+    // e.g. ranks that disagree on the collective: said precisely
+    if (recorder) {
+      recorder->end(work, ddpkit::detail::first_line(e.what()));
+      recorder->dump(ddpkit::detail::cat(what, " failed"));
+    }
+    throw;
   } catch (const std::exception& e) {
     peer_failed(e);
   }
+  if (recorder) recorder->end(work);
 }
 
 inline c10d::ReduceOp to_c10d(Reduce r) {
@@ -62,17 +77,17 @@ inline void check_dense(const torch::Tensor& t, const char* what) {
 inline compat::WorkPtr all_reduce_async(const Group& g, torch::Tensor& t,
                                         Reduce op = Reduce::sum,
                                         bool caller_waits = false) {
-  g.count_collective(t.nbytes());
+  const auto id = g.begin_collective("all_reduce", &t, t.nbytes());
   // Sums of CPU tensors among ranks on one host go through shared memory.
   // The choice depends only on the tensor and op, the same on every rank.
   if (g.shm() && (op == Reduce::sum || op == Reduce::mean) &&
       ShmChannel::eligible(t)) {
-    return g.shm()->all_reduce_sum_async(t, 1.0, caller_waits);
+    return g.started(id, g.shm()->all_reduce_sum_async(t, 1.0, caller_waits));
   }
   std::vector<torch::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = detail::to_c10d(op);
-  return g.backend()->allreduce(ts, opts);
+  return g.started(id, g.backend()->allreduce(ts, opts));
 }
 
 /// Starts an in-place all-reduce that leaves the mean over ranks in `t`.
@@ -80,8 +95,8 @@ inline compat::WorkPtr all_reduce_async(const Group& g, torch::Tensor& t,
 /// reduced; over gloo `t` is divided first, then summed.
 inline compat::WorkPtr all_reduce_mean_async(const Group& g, torch::Tensor& t) {
   if (g.shm() && ShmChannel::eligible(t) && t.is_floating_point()) {
-    g.count_collective(t.nbytes());
-    return g.shm()->all_reduce_sum_async(t, 1.0 / g.size());
+    const auto id = g.begin_collective("all_reduce", &t, t.nbytes());
+    return g.started(id, g.shm()->all_reduce_sum_async(t, 1.0 / g.size()));
   }
   t.div_(g.size());
   return all_reduce_async(g, t);
@@ -137,8 +152,8 @@ inline std::vector<torch::Tensor> all_gather(const Group& g,
   std::vector<std::vector<torch::Tensor>> out(1);
   for (int r = 0; r < g.size(); ++r) out[0].push_back(torch::empty_like(src));
   std::vector<torch::Tensor> in{src};
-  g.count_collective(src.nbytes());
-  detail::wait(g, g.backend()->allgather(out, in), "all_gather");
+  const auto id = g.begin_collective("all_gather", &src, src.nbytes());
+  detail::wait(g, g.started(id, g.backend()->allgather(out, in)), "all_gather");
   return out[0];
 }
 
@@ -174,8 +189,8 @@ inline torch::Tensor& broadcast(const Group& g, torch::Tensor& t, int src = 0) {
   std::vector<torch::Tensor> ts{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = src;
-  g.count_collective(t.nbytes());
-  detail::wait(g, g.backend()->broadcast(ts, opts), "broadcast");
+  const auto id = g.begin_collective("broadcast", &t, t.nbytes());
+  detail::wait(g, g.started(id, g.backend()->broadcast(ts, opts)), "broadcast");
   return t;
 }
 
@@ -192,6 +207,11 @@ inline torch::Tensor& broadcast_when_ready(const Group& g, torch::Tensor& t,
   if (g.size() == 1) return t;
   const std::string key =
       ddpkit::detail::cat("ddpkit/ready/", g.next_ready_key());
+  // Recorded as a collective of its own ("store_wait", tagged with `what`):
+  // a rank stuck here waits for `src`, not in the broadcast.
+  CollectiveTag tag(what.c_str());
+  const auto id = g.begin_collective("store_wait", nullptr, 0);
+  const auto& recorder = g.flight_recorder();
   try {
     if (g.rank() == src) {
       g.store()->set(key, std::vector<uint8_t>{1});
@@ -199,12 +219,22 @@ inline torch::Tensor& broadcast_when_ready(const Group& g, torch::Tensor& t,
       g.store()->wait({key}, wait);
     }
   } catch (const c10::Error& e) {
-    std::string msg = e.what_without_backtrace();
+    std::string msg = ddpkit::detail::first_line(e.what_without_backtrace());
+    std::string where;
+    if (recorder) {
+      recorder->end(id, msg);
+      const auto path =
+          recorder->dump(ddpkit::detail::cat("waiting for ", what));
+      if (!path.empty()) {
+        where = ddpkit::detail::cat(" (flight record: ", path.string(), ")");
+      }
+    }
     throw PeerFailure(ddpkit::detail::cat(
         "rank ", g.rank(), ": waited for rank ", src, "'s ", what,
         " and it did not come within ", wait.count() / 1000.0,
-        " s (or the store is gone): ", ddpkit::detail::first_line(msg)));
+        " s (or the store is gone): ", msg, where));
   }
+  if (recorder) recorder->end(id);
   return broadcast(g, t, src);
 }
 

@@ -96,6 +96,13 @@ int launch(int argc, char** argv, int world_size, Fn&& fn,
     const std::string lost = group.unanswered(std::chrono::seconds(3));
     std::fprintf(stderr, "error (rank %d): %s%s%s\n", rank, e.what(),
                  lost.empty() ? "" : "; ", lost.c_str());
+    const auto& recorder = group.flight_recorder();
+    if (rank == 0 && recorder && !recorder->dump_dir().empty()) {
+      std::fprintf(stderr,
+                   "ddpkit: every rank that could wrote its flight record "
+                   "to %s; `ddpkit-doctor %s` says who and where\n",
+                   recorder->dump_dir().c_str(), recorder->dump_dir().c_str());
+    }
     return kPeerFailureExitCode;
   } catch (const std::exception& e) {
     if (rank >= 0) {

@@ -21,7 +21,9 @@
 #include "ddpkit/detail/parse.hpp"
 #include "ddpkit/distributed/env.hpp"
 #include "ddpkit/distributed/failure_report.hpp"
+#include "ddpkit/distributed/flight_recorder.hpp"
 #include "ddpkit/distributed/group_options.hpp"
+#include "ddpkit/distributed/liveness.hpp"
 #include "ddpkit/distributed/rendezvous.hpp"
 #include "ddpkit/distributed/shm.hpp"
 #include "ddpkit/distributed/topology.hpp"
@@ -90,6 +92,25 @@ class Group {
                       (algorithm == AllReduceAlgorithm::hierarchical ||
                        (algorithm == AllReduceAlgorithm::automatic &&
                         g.topology_.max_per_host() > 1));
+    // Before the channel: its set-up is not a collective of ours, but the
+    // recorder must exist before the first one.
+    const auto capacity = ddpkit::detail::env_value("DDPKIT_FLIGHT_RECORDER");
+    const std::size_t ring =
+        capacity ? ddpkit::detail::parse_int<std::size_t>(
+                       ddpkit::detail::env_what("DDPKIT_FLIGHT_RECORDER"),
+                       *capacity, 0, std::size_t{1} << 24)
+                 : FlightRecorder::kDefaultCapacity;
+    if (ring > 0) {
+      g.recorder_ = std::make_shared<FlightRecorder>(
+          ring, env.rank, env.world_size,
+          g.topology_.world() == env.world_size
+              ? g.topology_.host_name[static_cast<std::size_t>(env.rank)]
+              : std::string());
+      if (const auto dir = ddpkit::detail::env_value("DDPKIT_FLIGHT_DIR")) {
+        g.set_flight_dir(*dir);
+      }
+    }
+    g.start_liveness_watch();
     if (shm && g.device_.is_cpu()) {
       // A collective through the channel waits as long as one over gloo
       // (the collective timeout, not the rendezvous one).
@@ -181,6 +202,8 @@ class Group {
       g->collectives_ = collectives_;
       g->bytes_ = bytes_;
       g->ready_keys_ = ready_keys_;
+      g->recorder_ = recorder_;
+      g->group_index_ = 1;
       auto side_store = compat::make_prefix_store("ddpkit/side", store_);
       g->backend_ = make_backend(side_store, env_, g->opts_, timeout_);
       g->topology_ = topology_;
@@ -222,14 +245,72 @@ class Group {
   std::uint64_t next_ready_key() const {
     return ready_keys_->fetch_add(1, std::memory_order_relaxed);
   }
-  /// Counts one collective of `bytes` (called by the functions that start
-  /// them).
-  void count_collective(std::uint64_t bytes = 0) const {
-    collectives_->fetch_add(1, std::memory_order_relaxed);
-    bytes_->fetch_add(bytes, std::memory_order_relaxed);
+  /// Counts one collective of `kind` over `t` (null: a wait through the
+  /// store) carrying `bytes`, and records it in the flight recorder; the
+  /// functions that start collectives call it first, then `started` with
+  /// the work handle. Returns the recorder's id for the collective.
+  std::uint64_t begin_collective(const char* kind, const torch::Tensor* t,
+                                 std::uint64_t bytes) const {
+    if (t != nullptr) {
+      collectives_->fetch_add(1, std::memory_order_relaxed);
+      bytes_->fetch_add(bytes, std::memory_order_relaxed);
+    }
+    return recorder_ ? recorder_->start(group_index_, kind, t, bytes) : 0;
+  }
+  /// Ties collective `id` (from `begin_collective`) to its work handle;
+  /// returns the handle.
+  compat::WorkPtr started(std::uint64_t id, compat::WorkPtr work) const {
+    if (recorder_) recorder_->attach(id, work);
+    return work;
+  }
+  /// The flight recorder this group and its copies share (null in a world
+  /// of one, or with DDPKIT_FLIGHT_RECORDER=0).
+  const std::shared_ptr<FlightRecorder>& flight_recorder() const {
+    return recorder_;
+  }
+  /// Where this rank writes its flight record (`DIR/rank-K.json`) when a
+  /// collective fails or on SIGUSR1 (the Trainer sets OUT/flight;
+  /// DDPKIT_FLIGHT_DIR sets it for any program). Installs the SIGUSR1
+  /// handler the first time.
+  void set_flight_dir(const std::filesystem::path& dir) const {
+    if (!recorder_) return;
+    recorder_->set_dump_dir(dir);
+    FlightRecorder::dump_on_sigusr1(recorder_);
   }
 
  private:
+  // The liveness watch (distributed/liveness.hpp) over a second client of
+  // the store, unless DDPKIT_LIVENESS=0, the recorder is off, or this
+  // libtorch's stores cannot be cloned (then the collective timeout alone
+  // finds a lost rank). A lost rank: this rank writes its flight record,
+  // says who is lost and exits kPeerFailureExitCode at once (its main
+  // thread is blocked in the collective).
+  void start_liveness_watch() {
+    if (!recorder_ || !ddpkit::detail::env_switch("DDPKIT_LIVENESS", true)) {
+      return;
+    }
+    auto own = compat::clone_store(store_);
+    if (!own) return;
+    LivenessSettings settings;
+    settings.silence = ddpkit::detail::env_seconds("DDPKIT_LIVENESS_TIMEOUT",
+                                                   settings.silence);
+    settings.check_after = std::min(settings.check_after, settings.silence / 3);
+    settings.interval = std::min(settings.interval, settings.silence / 5);
+    own->setTimeout(
+        std::max(settings.silence, std::chrono::milliseconds(1000)));
+    const int rank = env_.rank;
+    auto recorder = recorder_;
+    liveness_ = std::make_shared<LivenessWatch>(
+        own, recorder_, topology_, rank, env_.world_size, settings,
+        [rank, recorder](const std::string& what) {
+          const auto path = recorder->dump(ddpkit::detail::cat("lost: ", what));
+          std::fprintf(stderr, "error (rank %d): %s%s%s\n", rank, what.c_str(),
+                       path.empty() ? "" : "; flight record: ", path.c_str());
+          std::fflush(stderr);
+          std::_Exit(kPeerFailureExitCode);
+        });
+  }
+
   static AllReduceAlgorithm all_reduce_algorithm(const GroupOptions& opts) {
     return ddpkit::detail::env_choice<AllReduceAlgorithm>(
         "DDPKIT_ALLREDUCE", opts.all_reduce_algorithm(),
@@ -373,6 +454,9 @@ class Group {
       std::make_shared<std::atomic<std::uint64_t>>(0);
   std::shared_ptr<std::atomic<std::uint64_t>> ready_keys_ =
       std::make_shared<std::atomic<std::uint64_t>>(0);
+  std::shared_ptr<FlightRecorder> recorder_;
+  std::shared_ptr<LivenessWatch> liveness_;
+  int group_index_ = 0;  // in the recorder: 0 this group, 1 its side group
 };
 
 }  // namespace ddpkit::dist

@@ -165,6 +165,7 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
       }
     }
     if (!g.device().is_cpu()) packed = packed.to(g.device());
+    dist::CollectiveTag tag("syncbn forward");
     dist::all_reduce(g, packed);
     packed = packed.cpu();
     const double* p = packed.data_ptr<double>();
@@ -234,6 +235,7 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     auto packed = torch::cat({mean_l, invstd_l,
                               torch::full({1}, local_n, mean_l.options())})
                       .to(g.device());
+    dist::CollectiveTag tag("syncbn forward");
     auto all = torch::stack(dist::all_gather(g, packed)).to(x.device());
     auto mean_all = all.narrow(1, 0, C);
     auto invstd_all = all.narrow(1, C, C);
@@ -264,6 +266,7 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
                                        /*input_g=*/true, weight.defined(),
                                        has_bias);
     auto both = torch::cat({sum_dy, sum_dy_xmu}).to(g.device());
+    dist::CollectiveTag tag("syncbn backward");
     dist::all_reduce(g, both);
     both = both.to(x.device());
     auto dx = at::batch_norm_backward_elemt(dy, x, mean, invstd, weight,
@@ -345,6 +348,7 @@ struct SyncBNFunction : torch::autograd::Function<SyncBNFunction> {
     // dx = (dy − mean_dy − (x−μ)·invstd²·mean_dy_xmu)·invstd·w
     //    = dy·a + x·b + c, coefficients computed in float64 by plain loops.
     if (!g.device().is_cpu()) both = both.to(g.device());
+    dist::CollectiveTag tag("syncbn backward");
     dist::all_reduce(g, both);
     both = both.cpu();
     const auto w64 = weight.defined() ? weight.to(torch::kFloat64).contiguous()

@@ -601,6 +601,7 @@ class Reducer {
       for (std::size_t i = 0; i < used->size(); ++i) f[i] = (*used)[i];
     }
     if (!group_.device().is_cpu()) flags = flags.to(group_.device());
+    dist::CollectiveTag tag("used parameters");
     auto work = dist::all_reduce_async(group_, flags);
     return {flags, work};
   }
@@ -746,6 +747,7 @@ class Reducer {
     b.launched = true;
     GradBucket view{bi,     buckets_.size(), steps_completed_,
                     b.flat, b.views,         b.params};
+    dist::CollectiveTag tag("bucket", static_cast<long>(bi));
     b.future = comm_.run(group_, view);
   }
 
@@ -762,6 +764,7 @@ class Reducer {
         auto& b = buckets_[bi];
         if (!b.launched || !b.future.pending()) continue;
         try {
+          dist::CollectiveTag tag("bucket", static_cast<long>(bi));
           b.future.advance(group_, what);
         } catch (...) {
           if (!failed) failed = std::current_exception();

@@ -263,6 +263,7 @@ class Trainer : private CheckpointWriter {
                       data::LoaderOptions lo) {
     lo.drop_last(false);
     lo.rank(group_.rank());
+    dist::CollectiveTag tag("evaluation");
     const std::size_t n = set.size();
     torch::Tensor sums;
     int64_t local = 0;
@@ -460,6 +461,7 @@ class Trainer : private CheckpointWriter {
   template <class Message>
   void require_same_on_every_rank(std::size_t value, Message message) const {
     if (!multi()) return;
+    dist::CollectiveTag tag("same on every rank");
     auto all = dist::all_gather_value(group_, static_cast<int64_t>(value));
     for (int r = 0; r < world(); ++r) {
       if (all[r] != all[0]) throw UsageError(message(r, all[r], all[0]));
@@ -486,6 +488,7 @@ class Trainer : private CheckpointWriter {
       }
     }
     if (!multi()) return;
+    dist::CollectiveTag tag("rank 0 status");
     kind = dist::broadcast_value(group_, kind, 0);
     if (kind == 0) return;
     error = dist::broadcast_string(group_, error, 0);
@@ -510,6 +513,22 @@ class Trainer : private CheckpointWriter {
     on_main_or_fail([&] {
       if (!run_lock_.held()) run_lock_ = prepare_output_folder(s.out, options_);
     });
+    // A failed collective or SIGUSR1 writes OUT/flight/rank-K.json (unless
+    // DDPKIT_FLIGHT_DIR chose another folder); an earlier run's record of
+    // this rank goes first, so ddpkit-doctor never reads a stale one.
+    if (multi() && !s.out.empty() && group_.flight_recorder() &&
+        !std::getenv("DDPKIT_FLIGHT_DIR")) {
+      const fs::path dir = fs::path(s.out) / "flight";
+      std::error_code ec;
+      fs::remove(dir / cat("rank-", rank(), ".json"), ec);
+      if (is_main() && fs::is_directory(dir, ec)) {
+        for (const auto& f : fs::directory_iterator(dir, ec)) {
+          const auto name = f.path().filename().string();
+          if (name.rfind("rank-", 0) == 0) fs::remove(f.path(), ec);
+        }
+      }
+      group_.set_flight_dir(dir);
+    }
     join_ = multi() && options_.uneven_inputs() == UnevenInputs::join;
     if (join_ && !can_join) {
       throw UsageError(
@@ -773,6 +792,7 @@ class Trainer : private CheckpointWriter {
                static_cast<std::int64_t>(grads_finite ? 0 : 1)},
               torch::kInt64)
               .to(group_.device());
+      dist::CollectiveTag tag("step agreement");
       dist::all_reduce(group_, t, dist::Reduce::max);
       t = t.cpu();
       const auto* v = t.data_ptr<std::int64_t>();
@@ -842,6 +862,7 @@ class Trainer : private CheckpointWriter {
                          const data::LoaderOptions& lo) {
     // Training metrics over every rank's samples.
     auto t = epoch_sums(s).to(group_.device());
+    dist::CollectiveTag tag("epoch end");
     if (multi()) dist::all_reduce(group_, t);
     t = t.cpu().contiguous();
     const auto t_train = clock::now();
@@ -906,6 +927,7 @@ class Trainer : private CheckpointWriter {
                             static_cast<std::int64_t>(s.stop)},
                            torch::kInt64)
                  .to(group_.device());
+    dist::CollectiveTag tag("stop agreement");
     dist::all_reduce(group_, t, dist::Reduce::max);
     t = t.cpu();
     if (t[1].template item<std::int64_t>() != 0 && !s.stop) {
@@ -967,6 +989,7 @@ class Trainer : private CheckpointWriter {
     // Every rank takes part: the metrics so far over all ranks, and every
     // rank's generator, which only rank 0 writes.
     const FitState& s = *fit_;
+    dist::CollectiveTag tag("mid-epoch checkpoint");
     torch::Tensor all = epoch_sums(s).to(group_.device());
     if (multi()) dist::all_reduce(group_, all);
     auto rng = at::detail::getDefaultCPUGenerator().get_state();
@@ -1122,6 +1145,7 @@ class Trainer : private CheckpointWriter {
       }
     }
     if (multi()) {
+      dist::CollectiveTag tag("resume");
       status = dist::broadcast_value(group_, status, 0);
       if (status != 0) {
         bytes = dist::broadcast_string(group_, bytes, 0);

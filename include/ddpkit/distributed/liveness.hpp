@@ -1,0 +1,244 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// The liveness watch: every rank posts a heartbeat in the store each second
+// (its own client, so a wait in the group's store never delays it); while
+// one of its collectives has waited a few seconds, a rank reads the others'
+// heartbeats, and a rank whose heartbeat has not changed for the silence
+// limit (15 s by default), or a store that no longer answers, is declared
+// lost: the rank writes its flight record, names the lost rank (host, pid)
+// and exits, long before the collective timeout. A rank that is merely busy
+// (writing a checkpoint, evaluating alone, a slow batch) keeps beating: its
+// heartbeat comes from a thread of its own.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ddpkit/detail/compat.hpp"
+#include "ddpkit/detail/strings.hpp"
+#include "ddpkit/distributed/flight_recorder.hpp"
+#include "ddpkit/distributed/topology.hpp"
+
+namespace ddpkit::dist {
+
+/// The liveness watch's settings.
+struct LivenessSettings {
+  /// A peer silent this long while a collective waits is lost
+  /// (DDPKIT_LIVENESS_TIMEOUT, seconds).
+  std::chrono::milliseconds silence{std::chrono::seconds(15)};
+  /// How often a rank posts its heartbeat and looks at the others'.
+  std::chrono::milliseconds interval{std::chrono::seconds(1)};
+  /// Peers are looked at only once a collective has waited this long.
+  std::chrono::milliseconds check_after{std::chrono::seconds(5)};
+};
+
+/// Watches the other ranks while this one waits in a collective (see the
+/// top of this file). `on_lost` gets the message and is expected not to
+/// return (the Group's writes the flight record and exits).
+class LivenessWatch {
+ public:
+  using OnLost = std::function<void(const std::string&)>;
+
+  LivenessWatch(compat::StorePtr store,
+                std::shared_ptr<FlightRecorder> recorder, Topology topology,
+                int rank, int world, LivenessSettings settings, OnLost on_lost)
+      : state_(std::make_shared<State>()) {
+    auto& s = *state_;
+    s.store = std::move(store);
+    s.recorder = std::move(recorder);
+    s.topology = std::move(topology);
+    s.rank = rank;
+    s.world = world;
+    s.settings = settings;
+    s.on_lost = std::move(on_lost);
+    s.peers.resize(static_cast<std::size_t>(world));
+    s.last_store_ok = Clock::now();
+    // Two threads: one talks to the store (and may block there when the
+    // store's host is gone), the other judges from what the first saw, and
+    // never blocks.
+    beat_ = std::thread([st = state_] {
+      beat(st);
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->beat_done = true;
+      st->cv.notify_all();
+    });
+    judge_ = std::thread([st = state_] { judge(st); });
+  }
+  /// Stops both threads: the judge at once, the heartbeat within a few
+  /// seconds, else (blocked in a store that is gone) it is left to end
+  /// with the process.
+  ~LivenessWatch() {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->stop = true;
+    state_->cv.notify_all();
+    const bool done = state_->cv.wait_for(lock, std::chrono::seconds(3),
+                                          [&] { return state_->beat_done; });
+    lock.unlock();
+    if (done) {
+      beat_.join();
+    } else {
+      beat_.detach();
+    }
+    judge_.join();
+  }
+  LivenessWatch(const LivenessWatch&) = delete;
+  LivenessWatch& operator=(const LivenessWatch&) = delete;
+
+  /// The store key of rank `r`'s heartbeat.
+  static std::string key(int r) {
+    return ddpkit::detail::cat("ddpkit/live/", r);
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Peer {
+    std::string beat;  // its last heartbeat: "COUNT PID"
+    Clock::time_point changed{};
+  };
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+    bool beat_done = false;
+    bool checking = false;  // a collective has waited check_after
+    compat::StorePtr store;
+    std::shared_ptr<FlightRecorder> recorder;
+    Topology topology;
+    int rank = 0;
+    int world = 1;
+    LivenessSettings settings;
+    OnLost on_lost;
+    std::vector<Peer> peers;
+    Clock::time_point last_store_ok;
+  };
+
+  // Sleeps one interval; false when the watch is stopped.
+  static bool tick(State& s) {
+    std::unique_lock<std::mutex> lock(s.mu);
+    return !s.cv.wait_for(lock, s.settings.interval, [&] { return s.stop; });
+  }
+
+  static void beat(const std::shared_ptr<State>& st) {
+    State& s = *st;
+    std::uint64_t count = 0;
+    const std::string pid = std::to_string(::getpid());
+    do {
+      try {
+        const std::string mine = ddpkit::detail::cat(++count, " ", pid);
+        s.store->set(key(s.rank),
+                     std::vector<uint8_t>(mine.begin(), mine.end()));
+        bool checking = false;
+        {
+          std::lock_guard<std::mutex> lock(s.mu);
+          s.last_store_ok = Clock::now();
+          checking = s.checking;
+        }
+        if (!checking) continue;
+        for (int r = 0; r < s.world; ++r) {
+          if (r == s.rank) continue;
+          std::string beat;
+          if (s.store->check({key(r)})) {
+            const auto v = s.store->get(key(r));
+            beat.assign(v.begin(), v.end());
+          }
+          std::lock_guard<std::mutex> lock(s.mu);
+          auto& p = s.peers[static_cast<std::size_t>(r)];
+          if (!beat.empty() && beat != p.beat) {
+            p.beat = beat;
+            p.changed = Clock::now();
+          }
+          s.last_store_ok = Clock::now();
+        }
+      } catch (...) {
+        // The store did not answer: the judge sees last_store_ok age.
+      }
+    } while (tick(s));
+  }
+
+  static void judge(const std::shared_ptr<State>& st) {
+    State& s = *st;
+    while (tick(s)) {
+      const auto pending = s.recorder->oldest_pending();
+      const auto now = Clock::now();
+      const auto waited_us =
+          pending ? FlightRecorder::now_us() - pending->start_us : 0;
+      std::string lost;
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        const bool wait_long =
+            pending && waited_us >= s.settings.check_after.count() * 1000;
+        if (!wait_long) {
+          s.checking = false;
+          continue;
+        }
+        if (!s.checking) {
+          // Silence is counted from here: a peer's heartbeat before the
+          // wait says nothing about now.
+          s.checking = true;
+          for (auto& p : s.peers) p.changed = now;
+          s.last_store_ok = now;
+          continue;
+        }
+        lost = describe_lost(s, now);
+      }
+      if (lost.empty()) continue;
+      s.on_lost(ddpkit::detail::cat(
+          lost, " while rank ", s.rank, " waited ",
+          ddpkit::detail::fixed(static_cast<double>(waited_us) / 1e6, 1),
+          " s in collective #", pending->seq, " ", pending->kind,
+          pending->tag[0] != '\0'
+              ? ddpkit::detail::cat(" (", pending->tag.data(), ")")
+              : std::string()));
+      return;
+    }
+  }
+
+  // The lost peers (or the store), in words; "" when none. Under s.mu.
+  static std::string describe_lost(State& s, Clock::time_point now) {
+    using ddpkit::detail::cat;
+    const auto secs = [](auto d) {
+      return ddpkit::detail::fixed(std::chrono::duration<double>(d).count(), 1);
+    };
+    if (now - s.last_store_ok >= s.settings.silence) {
+      return cat("the rendezvous store has not answered for ",
+                 secs(now - s.last_store_ok),
+                 " s (its host, rank 0's or the launcher's, is stopped, "
+                 "gone or unreachable)");
+    }
+    std::string text;
+    for (int r = 0; r < s.world; ++r) {
+      const auto& p = s.peers[static_cast<std::size_t>(r)];
+      if (r == s.rank || now - p.changed < s.settings.silence) continue;
+      if (!text.empty()) text += " and ";
+      const auto space = p.beat.find(' ');
+      const std::string pid =
+          space == std::string::npos ? "?" : p.beat.substr(space + 1);
+      const bool known = s.topology.world() == s.world;
+      text += cat(
+          "rank ", r, " (pid ", pid,
+          known ? cat(" on host '",
+                      s.topology.host_name[static_cast<std::size_t>(r)], "'")
+                : std::string(),
+          ")");
+    }
+    if (text.empty()) return text;
+    return cat(text, " sent no heartbeat for ", secs(s.settings.silence),
+               " s: lost (stopped, dead, or its host unreachable)");
+  }
+
+  std::shared_ptr<State> state_;
+  std::thread beat_;
+  std::thread judge_;
+};
+
+}  // namespace ddpkit::dist
