@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include "../support.hpp"
+#include "ddpkit/train/signals.hpp"
 
 using namespace ddpkit;
 using ddpkit::test::run_workers;
@@ -893,6 +894,13 @@ TEST_SUITE("dist") {
   TEST_CASE(
       "liveness: a stopped rank (SIGSTOP) is named by the other within 30 s "
       "at the default settings, with its pid, in the flight record") {
+    if (!dist::compat::can_clone_store) {
+      MESSAGE(
+          "NOT RUN: this libtorch (< 2.5) cannot clone a store, so the "
+          "liveness watch is off in this build; the collective timeout finds "
+          "a stopped rank ('a collective that never completes ...')");
+      return;
+    }
     TempDir dir;
     const auto flight = dir / "flight";
     auto [res, secs] =
@@ -905,8 +913,8 @@ TEST_SUITE("dist") {
     std::string pid1;
     std::ifstream(dir / "pid1") >> pid1;
     CAPTURE(record.substr(0, 600));
-    CHECK(record.find("\"reason\": \"lost: rank 1 (pid " + pid1 +
-                      " on host '") != std::string::npos);
+    CHECK(record.find("\"reason\": \"rank 1 (pid " + pid1 + " on host '") !=
+          std::string::npos);
     CHECK(record.find("sent no heartbeat for 15.0 s") != std::string::npos);
     CHECK(record.find("(bucket 0)") != std::string::npos);
     // From the barrier to rank 0's record (the launcher's SIGKILL of the
@@ -933,6 +941,116 @@ TEST_SUITE("dist") {
                            {{"DDPKIT_LIVENESS_TIMEOUT", "3"}});
     CHECK(res.ok());
     CHECK(res.message == "");
+  }
+
+  TEST_CASE(
+      "desync: ranks waiting at the same collective number in different "
+      "collectives are told within 10 s at the default settings, both sides "
+      "named") {
+    if (!dist::compat::can_clone_store) {
+      MESSAGE(
+          "NOT RUN: this libtorch (< 2.5) cannot clone a store, so the "
+          "liveness watch (which finds a desync while running) is off; the "
+          "flight records still show it after the timeout (test above)");
+      return;
+    }
+    TempDir dir;
+    const auto flight = dir / "flight";
+    auto [res, secs] =
+        test::timed_run_workers("flight_desync", 2, dir.str(),
+                                {{"DDPKIT_FLIGHT_DIR", flight.string()}});
+    // 75 from the rank that saw it, or 4 from the worker whose collective
+    // then failed (the launcher names that one: 75 is a casualty's code).
+    CHECK((res.exit_code == kPeerFailureExitCode || res.exit_code == 4));
+    MESSAGE("the launcher returned after ", secs, " s");
+    CHECK(secs < 15);  // the 300 s collective timeout was not waited for
+    const std::string said[2] = {
+        "desync at collective #4: rank 1 broadcast 8 B Long (stop flag) vs "
+        "rank 0 all_reduce 4.0 kB Float (bucket 3): the ranks called "
+        "different collectives",
+        "desync at collective #4: rank 0 all_reduce 4.0 kB Float (bucket 3) "
+        "vs rank 1 broadcast 8 B Long (stop flag): the ranks called "
+        "different collectives"};
+    int told = 0;
+    for (int r = 0; r < 2; ++r) {
+      const auto f = flight / ("rank-" + std::to_string(r) + ".json");
+      if (!std::filesystem::exists(f)) continue;
+      const auto record = ddpkit::detail::read_whole_file(f, "record");
+      CAPTURE(record.substr(0, 400));
+      told += record.find(said[r]) != std::string::npos ? 1 : 0;
+    }
+    // The first rank to see it ends the job; the other may be stopped by
+    // the launcher before it says so too.
+    CHECK(told >= 1);
+  }
+
+  // Both ranks take SIGTERM into a flag (as the Trainer does) and tell the
+  // liveness watch; rank 1 is stuck outside any collective, rank 0 waits
+  // for it in an all-reduce: the step boundary where the flag would be
+  // acted on never comes.
+  DDPKIT_WORKER(hang_then_signal) {
+    auto g = ddpkit::test::worker_group();
+    train::SignalFlag signals(true);
+    g.watch_interrupt([&signals] { return signals.pending(); },
+                      [] { return std::string("(the resume note)"); });
+    dist::barrier(g);
+    std::ofstream(ddpkit::test::worker_dir() /
+                  ("pid" + std::to_string(g.rank())))
+        << ::getpid() << "\n";
+    if (g.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(120));
+      return 0;
+    }
+    auto t = torch::ones({100});
+    dist::all_reduce(g, t);
+    return 0;
+  }
+
+  TEST_CASE(
+      "SIGTERM during a hang ends the ranks within 30 s, saying that no "
+      "consistent checkpoint was possible and which one a resume uses") {
+    if (!dist::compat::can_clone_store) {
+      MESSAGE(
+          "NOT RUN: this libtorch (< 2.5) cannot clone a store, so the "
+          "liveness watch that ends a hung rank on SIGTERM is off");
+      return;
+    }
+    TempDir dir;
+    const auto flight = dir / "flight";
+    dist::SpawnResult res;
+    std::thread launcher([&] {
+      res = run_workers("hang_then_signal", 2, dir.str(),
+                        {{"DDPKIT_FLIGHT_DIR", flight.string()}});
+    });
+    std::vector<int> pids;
+    for (int i = 0; i < 300 && pids.size() < 2; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      pids.clear();
+      for (int r = 0; r < 2; ++r) {
+        std::ifstream in(dir / ("pid" + std::to_string(r)));
+        int pid = 0;
+        if (in >> pid && pid > 0) pids.push_back(pid);
+      }
+    }
+    REQUIRE(pids.size() == 2);
+    std::this_thread::sleep_for(std::chrono::seconds(1));  // rank 0 waits
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int pid : pids) ::kill(pid, SIGTERM);
+    launcher.join();
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count();
+    MESSAGE("every rank ended ", took, " s after SIGTERM");
+    CHECK(took < 30);
+    CHECK(res.exit_code == 128 + SIGTERM);
+    const auto record =
+        ddpkit::detail::read_whole_file(flight / "rank-0.json", "record");
+    CAPTURE(record.substr(0, 500));
+    CHECK(record.find("SIGTERM received 1") != std::string::npos);
+    CHECK(record.find("in collective #1 all_reduce 400 B Float: the ranks "
+                      "cannot meet to agree on a step, so no consistent "
+                      "checkpoint is possible; (the resume note)") !=
+          std::string::npos);
   }
 
   TEST_CASE("rendezvous with a missing rank times out with a clear error") {

@@ -168,13 +168,14 @@ train_until_epoch_one() {
     { echo "FAILED: rank 0 finished no epoch:"; cat "$out/rank0.log"; return 1; }
 }
 
-# expect_failed_exit R PID T0 LIMIT_S EVENT: waits up to LIMIT_S seconds
-# from T0 (date +%s%N) for rank R's process PID to end; it must exit
-# non-zero with an "error" line in $out/rank<R>.log naming a failed
-# operation. Prints what it saw and leaves the error line in rank_msg;
-# returns 1 when the rank did not stop in time, exited 0 or named nothing.
+# expect_failed_exit R PID T0 LIMIT_S EVENT [WORD]: waits up to LIMIT_S
+# seconds from T0 (date +%s%N) for rank R's process PID to end; it must
+# exit non-zero with an "error" line in $out/rank<R>.log holding WORD
+# (default "failed": naming a failed operation). Prints what it saw and
+# leaves the error line in rank_msg; returns 1 when the rank did not stop
+# in time, exited 0 or said nothing of the kind.
 expect_failed_exit() {
-  local r=$1 pid=$2 t0=$3 limit_s=$4 event=$5 rc=0 ms status=0
+  local r=$1 pid=$2 t0=$3 limit_s=$4 event=$5 word=${6:-failed} rc=0 ms status=0
   rank_msg=""
   while kill -0 "$pid" 2>/dev/null && (($(date +%s%N) - t0 < limit_s * 1000000000)); do
     sleep 0.05
@@ -188,8 +189,8 @@ expect_failed_exit() {
   rank_msg=$(grep -m1 "^error" "$out/rank$r.log" || true)
   echo "rank $r: exit $rc after ${ms} ms: ${rank_msg:0:400}"
   if ((rc == 0)); then echo "FAILED: rank $r exited 0"; status=1; fi
-  if [[ $rank_msg != *"failed"* ]]; then
-    echo "FAILED: rank $r's message names no failed operation"
+  if [[ $rank_msg != *"$word"* ]]; then
+    echo "FAILED: rank $r's message does not say '$word'"
     status=1
   fi
   return $status

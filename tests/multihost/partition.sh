@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# partition.sh OUT DDP
+# partition.sh OUT DDP [default]
 # Two hosts (tests/multihost/netns.sh), two ranks on each, training DDP
 # with a 10 s collective timeout (DDPKIT_COLLECTIVE_TIMEOUT); once an epoch
 # is done, host 1's link goes down (its veth end, as a pulled cable or a
@@ -8,21 +8,36 @@
 # plus 15 s, with a message naming the failed operation, and rank 0's
 # checkpoint (checkpoints/last.pt) must still load (torch.load,
 # weights_only).
+# With "default": the default settings (collective timeout 300 s); the
+# liveness watch must end every rank within 30 s, host 0's ranks naming
+# host 1's as silent, host 1's saying the store (on host 0) does not
+# answer.
 set -euo pipefail
-out=$1 ddp=$2
+out=$1 ddp=$2 mode=${3:-}
 here=$(dirname "$0")
 source "$here/../examples/torch_python.sh"
 source "$here/netns.sh"
 multihost_begin "$out" 2
-timeout_s=10
-train_until_epoch_one "$out" "$ddp" 29525 DDPKIT_COLLECTIVE_TIMEOUT=$timeout_s
+if [[ $mode == default ]]; then
+  limit_s=30
+  train_until_epoch_one "$out" "$ddp" 29529
+else
+  timeout_s=10 limit_s=25
+  train_until_epoch_one "$out" "$ddp" 29525 DDPKIT_COLLECTIVE_TIMEOUT=$timeout_s
+fi
 pids=("${train_pids[@]}")
 t0=$(date +%s%N)
 on_host 1 ip link set eth0 down
 echo "host 1's link is down (ranks 2 and 3 cut off)"
 status=0
 for r in 0 1 2 3; do
-  expect_failed_exit "$r" "${pids[$r]}" "$t0" $((timeout_s + 15)) "the partition" || status=1
+  if [[ $mode == default ]]; then
+    word="on host 'ddpkit-host1') sent no heartbeat"
+    ((r < 2)) || word="the rendezvous store has not answered"
+    expect_failed_exit "$r" "${pids[$r]}" "$t0" $limit_s "the partition" "$word" || status=1
+  else
+    expect_failed_exit "$r" "${pids[$r]}" "$t0" $limit_s "the partition" || status=1
+  fi
 done
 "$py" -c "
 import sys, torch

@@ -288,6 +288,9 @@ inline bool can_use_agent_store() {
 #endif
 }
 
+/// Whether `clone_store` can make a second client (libtorch >= 2.5).
+inline constexpr bool can_clone_store = DDPKIT_TORCH_AT_LEAST(2, 5);
+
 /// A second client of `store` with a connection (and lock) of its own, so a
 /// thread can use it while another waits in the first; null where this
 /// libtorch's stores cannot be cloned (before 2.5).

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -213,6 +214,25 @@ class FlightRecorder {
       return e;
     }
     return std::nullopt;
+  }
+
+  /// `e` in words, as ddpkit-doctor writes it: "all_reduce 4.0 kB Float
+  /// (bucket 3)".
+  static std::string describe(const FlightEntry& e) {
+    std::string text = e.kind;
+    if (std::string_view(e.kind) != "store_wait") {
+      const double b = static_cast<double>(e.bytes);
+      text += b >= 1e9 ? ddpkit::detail::cat(
+                             " ", ddpkit::detail::fixed(b / 1e9, 1), " GB")
+              : b >= 1e6 ? ddpkit::detail::cat(
+                               " ", ddpkit::detail::fixed(b / 1e6, 1), " MB")
+              : b >= 1e3 ? ddpkit::detail::cat(
+                               " ", ddpkit::detail::fixed(b / 1e3, 1), " kB")
+                         : ddpkit::detail::cat(" ", e.bytes, " B");
+      if (e.dtype) text += ddpkit::detail::cat(" ", c10::toString(*e.dtype));
+    }
+    if (e.tag[0] != '\0') text += ddpkit::detail::cat(" (", e.tag.data(), ")");
+    return text;
   }
 
   /// The ring's entries, oldest first.

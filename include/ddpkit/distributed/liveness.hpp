@@ -10,6 +10,7 @@
 // heartbeat comes from a thread of its own.
 #pragma once
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,11 +21,13 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "ddpkit/detail/compat.hpp"
+#include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/strings.hpp"
 #include "ddpkit/distributed/flight_recorder.hpp"
 #include "ddpkit/distributed/topology.hpp"
@@ -47,7 +50,9 @@ struct LivenessSettings {
 /// return (the Group's writes the flight record and exits).
 class LivenessWatch {
  public:
-  using OnLost = std::function<void(const std::string&)>;
+  /// Gets the message and the exit code (75 for a lost peer or a desync,
+  /// 128 + the signal for an interrupted hang).
+  using OnLost = std::function<void(const std::string&, int)>;
 
   LivenessWatch(compat::StorePtr store,
                 std::shared_ptr<FlightRecorder> recorder, Topology topology,
@@ -94,6 +99,19 @@ class LivenessWatch {
   LivenessWatch(const LivenessWatch&) = delete;
   LivenessWatch& operator=(const LivenessWatch&) = delete;
 
+  /// While set, a SIGTERM/SIGINT that `pending` reports and that the
+  /// training loop has not acted on ends the rank: after 10 s when one of
+  /// its collectives has waited 5 s (a hang: the ranks cannot meet to agree
+  /// on a checkpoint), after 20 s wherever it is stuck; `resume_note` says
+  /// which checkpoint a resume will use. Empty functions stop it.
+  void watch_interrupt(std::function<int()> pending,
+                       std::function<std::string()> resume_note) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->interrupt = std::move(pending);
+    state_->resume_note = std::move(resume_note);
+    state_->signal_seen.reset();
+  }
+
   /// The store key of rank `r`'s heartbeat.
   static std::string key(int r) {
     return ddpkit::detail::cat("ddpkit/live/", r);
@@ -102,7 +120,9 @@ class LivenessWatch {
  private:
   using Clock = std::chrono::steady_clock;
   struct Peer {
-    std::string beat;  // its last heartbeat: "COUNT PID"
+    // Its last heartbeat: "COUNT PID", then, while one of its collectives
+    // waits, "|G SEQ KIND NUMEL DTYPE|description" of the oldest.
+    std::string beat;
     Clock::time_point changed{};
   };
   struct State {
@@ -111,6 +131,7 @@ class LivenessWatch {
     bool stop = false;
     bool beat_done = false;
     bool checking = false;  // a collective has waited check_after
+    std::string pending;    // "G SEQ KIND NUMEL DTYPE|description" while so
     compat::StorePtr store;
     std::shared_ptr<FlightRecorder> recorder;
     Topology topology;
@@ -120,6 +141,9 @@ class LivenessWatch {
     OnLost on_lost;
     std::vector<Peer> peers;
     Clock::time_point last_store_ok;
+    std::function<int()> interrupt;
+    std::function<std::string()> resume_note;
+    std::optional<Clock::time_point> signal_seen;
   };
 
   // Sleeps one interval; false when the watch is stopped.
@@ -134,14 +158,18 @@ class LivenessWatch {
     const std::string pid = std::to_string(::getpid());
     do {
       try {
-        const std::string mine = ddpkit::detail::cat(++count, " ", pid);
-        s.store->set(key(s.rank),
-                     std::vector<uint8_t>(mine.begin(), mine.end()));
+        std::string mine = ddpkit::detail::cat(++count, " ", pid);
         bool checking = false;
         {
           std::lock_guard<std::mutex> lock(s.mu);
-          s.last_store_ok = Clock::now();
           checking = s.checking;
+          if (checking && !s.pending.empty()) mine += "|" + s.pending;
+        }
+        s.store->set(key(s.rank),
+                     std::vector<uint8_t>(mine.begin(), mine.end()));
+        {
+          std::lock_guard<std::mutex> lock(s.mu);
+          s.last_store_ok = Clock::now();
         }
         if (!checking) continue;
         for (int r = 0; r < s.world; ++r) {
@@ -172,35 +200,116 @@ class LivenessWatch {
       const auto now = Clock::now();
       const auto waited_us =
           pending ? FlightRecorder::now_us() - pending->start_us : 0;
-      std::string lost;
+      std::string what;  // why this rank ends; "" while all is well
+      int code = kPeerFailureExitCode;
+      std::string note;
       {
         std::lock_guard<std::mutex> lock(s.mu);
         const bool wait_long =
             pending && waited_us >= s.settings.check_after.count() * 1000;
-        if (!wait_long) {
+        if (auto stuck = interrupted(s, now, wait_long); !stuck.empty()) {
+          what = stuck;
+          code = 128 + s.interrupt();
+          note = s.resume_note ? s.resume_note() : std::string();
+        } else if (!wait_long) {
           s.checking = false;
+          s.pending.clear();
           continue;
+        } else {
+          s.pending = ddpkit::detail::cat(
+              pending->group, " ", pending->seq, " ", pending->kind, " ",
+              pending->numel, " ",
+              pending->dtype ? c10::toString(*pending->dtype) : "-", "|",
+              FlightRecorder::describe(*pending));
+          if (!s.checking) {
+            // Silence is counted from here: a peer's heartbeat before the
+            // wait says nothing about now.
+            s.checking = true;
+            for (auto& p : s.peers) p.changed = now;
+            s.last_store_ok = now;
+            continue;
+          }
+          what = describe_lost(s, now);
+          if (what.empty()) what = describe_desync(s);
+          if (what.empty()) continue;
         }
-        if (!s.checking) {
-          // Silence is counted from here: a peer's heartbeat before the
-          // wait says nothing about now.
-          s.checking = true;
-          for (auto& p : s.peers) p.changed = now;
-          s.last_store_ok = now;
-          continue;
-        }
-        lost = describe_lost(s, now);
       }
-      if (lost.empty()) continue;
-      s.on_lost(ddpkit::detail::cat(
-          lost, " while rank ", s.rank, " waited ",
-          ddpkit::detail::fixed(static_cast<double>(waited_us) / 1e6, 1),
-          " s in collective #", pending->seq, " ", pending->kind,
-          pending->tag[0] != '\0'
-              ? ddpkit::detail::cat(" (", pending->tag.data(), ")")
-              : std::string()));
+      if (pending) {
+        what += ddpkit::detail::cat(
+            " while rank ", s.rank, " waited ",
+            ddpkit::detail::fixed(static_cast<double>(waited_us) / 1e6, 1),
+            " s in collective #", pending->seq, " ",
+            FlightRecorder::describe(*pending));
+      }
+      if (code != kPeerFailureExitCode) {
+        what +=
+            ": the ranks cannot meet to agree on a step, so no "
+            "consistent checkpoint is possible";
+        if (!note.empty()) what += "; " + note;
+      }
+      s.on_lost(what, code);
       return;
     }
+  }
+
+  // "SIGTERM received 10.3 s ago and not acted on" when the rank must end
+  // (see watch_interrupt), else "". Under s.mu.
+  static std::string interrupted(State& s, Clock::time_point now,
+                                 bool wait_long) {
+    const int sig = s.interrupt ? s.interrupt() : 0;
+    if (sig == 0) {
+      s.signal_seen.reset();
+      return {};
+    }
+    if (!s.signal_seen) s.signal_seen = now;
+    const auto since = now - *s.signal_seen;
+    if (since <
+        (wait_long ? std::chrono::seconds(10) : std::chrono::seconds(20))) {
+      return {};
+    }
+    return ddpkit::detail::cat(
+        sig == SIGINT    ? "SIGINT"
+        : sig == SIGTERM ? "SIGTERM"
+                         : ddpkit::detail::cat("signal ", sig),
+        " received ",
+        ddpkit::detail::fixed(std::chrono::duration<double>(since).count(), 1),
+        " s ago and not acted on");
+  }
+
+  // Two ranks waiting at the same collective number of a group with
+  // different collectives (kind, size, dtype): both sides in words, as
+  // "desync at collective #4 (group 0): rank 1 broadcast 8 B Long (stop
+  // flag) vs rank 0 all_reduce 4.0 kB Float (bucket 3)"; "" when none.
+  // Under s.mu.
+  static std::string describe_desync(State& s) {
+    const auto split = [](const std::string& p) {
+      const auto bar = p.find('|');
+      return std::pair{p.substr(0, bar), bar == std::string::npos
+                                             ? std::string()
+                                             : p.substr(bar + 1)};
+    };
+    const auto [mine, my_words] = split(s.pending);
+    // "G SEQ": the collective's place; the rest: what it is.
+    const auto place = [](const std::string& sig) {
+      auto sp = sig.find(' ');
+      sp = sp == std::string::npos ? sp : sig.find(' ', sp + 1);
+      return sig.substr(0, sp);
+    };
+    for (int r = 0; r < s.world; ++r) {
+      if (r == s.rank) continue;
+      const auto& beat = s.peers[static_cast<std::size_t>(r)].beat;
+      const auto bar = beat.find('|');
+      if (bar == std::string::npos) continue;
+      const auto [theirs, their_words] = split(beat.substr(bar + 1));
+      if (place(theirs) != place(mine) || theirs == mine) continue;
+      const auto sp = mine.find(' ');
+      return ddpkit::detail::cat(
+          "desync at collective #", place(mine).substr(sp + 1),
+          mine[0] == '0' ? "" : " (side group)", ": rank ", r, " ", their_words,
+          " vs rank ", s.rank, " ", my_words,
+          ": the ranks called different collectives");
+    }
+    return {};
   }
 
   // The lost peers (or the store), in words; "" when none. Under s.mu.

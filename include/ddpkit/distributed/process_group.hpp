@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -263,6 +264,16 @@ class Group {
     if (recorder_) recorder_->attach(id, work);
     return work;
   }
+  /// While set, a SIGTERM/SIGINT that `pending` reports and the training
+  /// loop does not act on ends this rank (exit 128 + the signal) when a
+  /// collective hangs: see LivenessWatch::watch_interrupt. The Trainer sets
+  /// it for a fit. Without the liveness watch it does nothing.
+  void watch_interrupt(std::function<int()> pending,
+                       std::function<std::string()> resume_note) const {
+    if (liveness_) {
+      liveness_->watch_interrupt(std::move(pending), std::move(resume_note));
+    }
+  }
   /// The flight recorder this group and its copies share (null in a world
   /// of one, or with DDPKIT_FLIGHT_RECORDER=0).
   const std::shared_ptr<FlightRecorder>& flight_recorder() const {
@@ -302,12 +313,12 @@ class Group {
     auto recorder = recorder_;
     liveness_ = std::make_shared<LivenessWatch>(
         own, recorder_, topology_, rank, env_.world_size, settings,
-        [rank, recorder](const std::string& what) {
-          const auto path = recorder->dump(ddpkit::detail::cat("lost: ", what));
+        [rank, recorder](const std::string& what, int code) {
+          const auto path = recorder->dump(what);
           std::fprintf(stderr, "error (rank %d): %s%s%s\n", rank, what.c_str(),
                        path.empty() ? "" : "; flight record: ", path.c_str());
           std::fflush(stderr);
-          std::_Exit(kPeerFailureExitCode);
+          std::_Exit(code);
         });
   }
 

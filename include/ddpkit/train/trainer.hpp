@@ -33,6 +33,7 @@
 #include "ddpkit/data/samplers.hpp"
 #include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/cpu.hpp"
+#include "ddpkit/detail/scope_guard.hpp"
 #include "ddpkit/detail/seed.hpp"
 #include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
@@ -200,6 +201,26 @@ class Trainer : private CheckpointWriter {
     FitState& s = scope.state;
     begin_fit(s, train.size(), data_fingerprint(train));
     SignalFlag signals(options_.checkpoint_on_signal());
+    // A signal during a hang: the liveness watch ends the rank (the loop
+    // cannot reach its step boundary), saying which checkpoint a resume
+    // uses.
+    if (multi() && signals.armed()) {
+      group_.watch_interrupt(
+          [&signals] { return signals.pending(); },
+          [out = std::filesystem::path(options_.out_dir())] {
+            std::error_code ec;
+            if (!out.empty() &&
+                std::filesystem::exists(last_checkpoint(out), ec)) {
+              return ddpkit::detail::cat(
+                  "a resume (--resume auto) starts from ",
+                  last_checkpoint(out).string(),
+                  ", the last checkpoint written");
+            }
+            return std::string(
+                "no checkpoint was written yet: a resume starts from scratch");
+          });
+    }
+    ddpkit::detail::ScopeExit unwatch([&] { group_.watch_interrupt({}, {}); });
     Sampler sampler(train.size(),
                     data::ShardSpec{.rank = rank(),
                                     .world_size = s.world,
