@@ -9,6 +9,9 @@
 //   bucketed_comm/<model>/cap_mib:C   the buckets the reducer makes at cap
 //                                  C, all launched back to back then waited
 //   bucketed_comm/<model>/flat     one all-reduce of all gradient bytes
+//   flight_recorder/start_end      what the flight recorder adds to one
+//                                  collective (start, then end by id), in
+//                                  this process
 //
 // Launcher flags: --quick (sizes up to 64 MiB), --max-mib=M, --worlds=2,4.
 #include <sstream>
@@ -211,6 +214,18 @@ void register_all(const b::Args& o) {
 
 }  // namespace
 
+// The flight recorder's cost per collective: the entry written at the
+// start and closed at the end, as `begin_collective` and `detail::wait` do.
+void flight_recorder_cost(benchmark::State& st) {
+  dd::FlightRecorder rec(dd::FlightRecorder::kDefaultCapacity, 0, 2, "host");
+  auto t = torch::ones({1024});
+  dd::CollectiveTag tag("bucket", 3);
+  for (auto _ : st) {
+    rec.end(rec.start(0, "all_reduce", &t, t.nbytes()));
+  }
+  st.counters["recorded"] = static_cast<double>(rec.recorded());
+}
+
 int main(int argc, char** argv) {
   if (dd::is_spawned_rank()) {
     try {
@@ -222,6 +237,8 @@ int main(int argc, char** argv) {
   }
   auto own = b::take_own_flags(argc, argv, {"quick", "max-mib", "worlds"});
   register_all(own);
+  benchmark::RegisterBenchmark("flight_recorder/start_end",
+                               flight_recorder_cost);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

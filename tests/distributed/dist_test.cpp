@@ -853,6 +853,40 @@ TEST_SUITE("dist") {
           std::string::npos);
   }
 
+  // Twenty tagged all-reduces; rank 1 sends itself SIGUSR1 after the tenth.
+  DDPKIT_WORKER(flight_sigusr1) {
+    auto g = ddpkit::test::worker_group();
+    dist::CollectiveTag tag("metrics");
+    for (int i = 0; i < 20; ++i) {
+      auto t = torch::ones({10});
+      dist::all_reduce(g, t);
+      if (i == 9 && g.rank() == 1) ::raise(SIGUSR1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    dist::barrier(g);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return 0;
+  }
+
+  TEST_CASE(
+      "flight recorder: SIGUSR1 writes the rank's record and training goes "
+      "on") {
+    TempDir dir;
+    const auto flight = dir / "flight";
+    auto res = run_workers("flight_sigusr1", 2, dir.str(),
+                           {{"DDPKIT_FLIGHT_DIR", flight.string()}});
+    CHECK(res.ok());  // SIGUSR1's default action would have ended rank 1
+    REQUIRE(std::filesystem::exists(flight / "rank-1.json"));
+    CHECK_FALSE(std::filesystem::exists(flight / "rank-0.json"));
+    const auto record =
+        ddpkit::detail::read_whole_file(flight / "rank-1.json", "record");
+    CAPTURE(record.substr(0, 400));
+    CHECK(record.find("\"reason\": \"SIGUSR1\"") != std::string::npos);
+    CHECK(record.find("{\"seq\":9,\"group\":\"default\",\"kind\":"
+                      "\"all_reduce\",\"dtype\":\"Float\",\"numel\":10,"
+                      "\"bytes\":40,\"tag\":\"metrics\"") != std::string::npos);
+  }
+
   // ---- the liveness watch
   // ---------------------------------------------------------
 
