@@ -324,6 +324,9 @@ class LivenessWatch {
                  " s (its host, rank 0's or the launcher's, is stopped, "
                  "gone or unreachable)");
     }
+    // The peers' heartbeats come through the store: while it is slow to
+    // answer, their silence says nothing (a cut link silences them all).
+    if (now - s.last_store_ok > 3 * s.settings.interval) return {};
     std::string text;
     for (int r = 0; r < s.world; ++r) {
       const auto& p = s.peers[static_cast<std::size_t>(r)];
