@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -189,6 +190,12 @@ class FlightRecorder {
     return dir / ddpkit::detail::cat("rank-", rank_, ".json");
   }
 
+  /// Whether SIGUSR1 asked this rank for its record since the last call
+  /// (the liveness watch then asks every other rank through the store).
+  bool take_dump_request() {
+    return dump_requested_.exchange(false);
+  }
+
   /// How many collectives have been recorded (all groups).
   std::uint64_t recorded() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -338,6 +345,7 @@ class FlightRecorder {
           }
         }
         for (const auto& p : live) {
+          p->dump_requested_.store(true);  // the other ranks: liveness.hpp
           const auto path = p->dump("SIGUSR1");
           if (!path.empty()) {
             std::fprintf(stderr,
@@ -398,6 +406,7 @@ class FlightRecorder {
   }
 
   mutable std::mutex mu_;
+  std::atomic<bool> dump_requested_{false};
   std::vector<FlightEntry> ring_;
   std::uint64_t next_id_ = 0;
   std::array<std::uint64_t, 2> next_seq_{};

@@ -156,8 +156,26 @@ class LivenessWatch {
     State& s = *st;
     std::uint64_t count = 0;
     const std::string pid = std::to_string(::getpid());
+    // SIGUSR1 to one rank: it counts a request here, every rank writes its
+    // record when it sees the count grow.
+    const std::string dumps = "ddpkit/flight/dumps";
+    std::optional<std::int64_t> dumps_seen;
     do {
       try {
+        if (s.recorder->take_dump_request()) {
+          dumps_seen = s.store->add(dumps, 1);
+        } else {
+          const auto n = s.store->add(dumps, 0);
+          if (dumps_seen && n > *dumps_seen) {
+            const auto path = s.recorder->dump("SIGUSR1 to another rank");
+            if (!path.empty()) {
+              std::fprintf(stderr,
+                           "ddpkit: rank %d: flight record written to %s\n",
+                           s.rank, path.c_str());
+            }
+          }
+          dumps_seen = n;
+        }
         std::string mine = ddpkit::detail::cat(++count, " ", pid);
         bool checking = false;
         {
