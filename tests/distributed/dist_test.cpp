@@ -835,7 +835,7 @@ TEST_SUITE("dist") {
         rec.end(rec.start(0, "all_reduce", &t, t.nbytes()));
       }
       rec.set_dump_dir(flight);
-      REQUIRE(rec.dump("test") ==
+      REQUIRE(rec.dump("SIGUSR1") ==
               flight / ("rank-" + std::to_string(r) + ".json"));
       CHECK(rec.entries().size() == 8);
       CHECK(rec.entries().front().seq == 4);
