@@ -576,6 +576,21 @@ TEST_SUITE("dist") {
   bool process_alive(int pid) {
     return ::kill(pid, 0) == 0;
   }
+  /// The pids ranks 0..world-1 wrote to DIR/pidR, once all have (up to
+  /// 30 s; fewer when some never did).
+  std::vector<int> wait_for_pid_files(const TempDir& dir, int world) {
+    std::vector<int> pids;
+    for (int i = 0; i < 300 && static_cast<int>(pids.size()) < world; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      pids.clear();
+      for (int r = 0; r < world; ++r) {
+        std::ifstream in(dir / ("pid" + std::to_string(r)));
+        int pid = 0;
+        if (in >> pid && pid > 0) pids.push_back(pid);
+      }
+    }
+    return pids;
+  }
   /// Whether every rank wrote its pid to DIR/pidR and none is alive now.
   bool no_survivors(const TempDir& dir, int world) {
     bool ok = true;
@@ -651,16 +666,7 @@ TEST_SUITE("dist") {
     REQUIRE(::posix_spawn(&launcher, exe.c_str(), nullptr, nullptr, argv,
                           envp.data()) == 0);
     // Both ranks running.
-    std::vector<int> pids;
-    for (int i = 0; i < 300 && pids.size() < 2; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      pids.clear();
-      for (int r = 0; r < 2; ++r) {
-        std::ifstream in(dir / ("pid" + std::to_string(r)));
-        int pid = 0;
-        if (in >> pid && pid > 0) pids.push_back(pid);
-      }
-    }
+    const std::vector<int> pids = wait_for_pid_files(dir, 2);
     REQUIRE(pids.size() == 2);
     ::kill(launcher, SIGKILL);
     ::waitpid(launcher, nullptr, 0);
@@ -1066,16 +1072,7 @@ TEST_SUITE("dist") {
       res = run_workers("hang_then_signal", 2, dir.str(),
                         {{"DDPKIT_FLIGHT_DIR", flight.string()}});
     });
-    std::vector<int> pids;
-    for (int i = 0; i < 300 && pids.size() < 2; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      pids.clear();
-      for (int r = 0; r < 2; ++r) {
-        std::ifstream in(dir / ("pid" + std::to_string(r)));
-        int pid = 0;
-        if (in >> pid && pid > 0) pids.push_back(pid);
-      }
-    }
+    const std::vector<int> pids = wait_for_pid_files(dir, 2);
     REQUIRE(pids.size() == 2);
     std::this_thread::sleep_for(std::chrono::seconds(1));  // rank 0 waits
     const auto t0 = std::chrono::steady_clock::now();

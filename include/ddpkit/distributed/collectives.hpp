@@ -23,14 +23,10 @@ inline void wait(const Group& g, const compat::WorkPtr& work,
   const auto& recorder = g.flight_recorder();
   auto peer_failed = [&](const std::exception& e) {
     std::string msg = ddpkit::detail::first_line(e.what());
-    std::string where;
-    if (recorder) {
-      recorder->end(work, msg);
-      const auto path = recorder->dump(ddpkit::detail::cat(what, " failed"));
-      if (!path.empty()) {
-        where = ddpkit::detail::cat(" (flight record: ", path.string(), ")");
-      }
-    }
+    const std::string where =
+        recorder
+            ? recorder->fail(work, msg, ddpkit::detail::cat(what, " failed"))
+            : std::string();
     throw PeerFailure(ddpkit::detail::cat(
         "rank ", g.rank(), ": ", what, " failed (a peer may have died or the ",
         "collective timed out after ", g.timeout().count() / 1000.0,
@@ -43,8 +39,8 @@ inline void wait(const Group& g, const compat::WorkPtr& work,
   } catch (const DistError& e) {
     // e.g. ranks that disagree on the collective: said precisely
     if (recorder) {
-      recorder->end(work, ddpkit::detail::first_line(e.what()));
-      recorder->dump(ddpkit::detail::cat(what, " failed"));
+      recorder->fail(work, ddpkit::detail::first_line(e.what()),
+                     ddpkit::detail::cat(what, " failed"));
     }
     throw;
   } catch (const std::exception& e) {
@@ -220,15 +216,10 @@ inline torch::Tensor& broadcast_when_ready(const Group& g, torch::Tensor& t,
     }
   } catch (const c10::Error& e) {
     std::string msg = ddpkit::detail::first_line(e.what_without_backtrace());
-    std::string where;
-    if (recorder) {
-      recorder->end(id, msg);
-      const auto path =
-          recorder->dump(ddpkit::detail::cat("waiting for ", what));
-      if (!path.empty()) {
-        where = ddpkit::detail::cat(" (flight record: ", path.string(), ")");
-      }
-    }
+    const std::string where =
+        recorder
+            ? recorder->fail(id, msg, ddpkit::detail::cat("waiting for ", what))
+            : std::string();
     throw PeerFailure(ddpkit::detail::cat(
         "rank ", g.rank(), ": waited for rank ", src, "'s ", what,
         " and it did not come within ", wait.count() / 1000.0,

@@ -317,6 +317,30 @@ class FlightRecorder {
     }
   }
 
+  /// Ends collective `id` (or the one of `work`) as failed with `error` and
+  /// writes the record: " (flight record: PATH)" for the error message, or
+  /// "" when nothing was written.
+  std::string fail(std::uint64_t id, const std::string& error,
+                   const std::string& reason) {
+    end(id, error);
+    return where(dump(reason));
+  }
+  std::string fail(const compat::WorkPtr& work, const std::string& error,
+                   const std::string& reason) {
+    end(work, error);
+    return where(dump(reason));
+  }
+
+  /// Writes the record asked for from outside (SIGUSR1) and says where on
+  /// stderr.
+  void dump_on_request(const std::string& reason) const {
+    const auto path = dump(reason);
+    if (!path.empty()) {
+      std::fprintf(stderr, "ddpkit: rank %d: flight record written to %s\n",
+                   rank_, path.c_str());
+    }
+  }
+
   /// Dumps every live recorder of this process on SIGUSR1 (from a thread
   /// of its own; training goes on). Installed once per process, the first
   /// time a recorder is given a dump folder.
@@ -346,12 +370,7 @@ class FlightRecorder {
         }
         for (const auto& p : live) {
           p->dump_requested_.store(true);  // the other ranks: liveness.hpp
-          const auto path = p->dump("SIGUSR1");
-          if (!path.empty()) {
-            std::fprintf(stderr,
-                         "ddpkit: rank %d: flight record written to %s\n",
-                         p->rank_, path.c_str());
-          }
+          p->dump_on_request("SIGUSR1");
         }
       }
     }).detach();
@@ -382,6 +401,12 @@ class FlightRecorder {
       [[maybe_unused]] auto n = ::write(fd, &c, 1);
     }
     errno = saved;
+  }
+
+  static std::string where(const std::filesystem::path& path) {
+    return path.empty()
+               ? std::string()
+               : ddpkit::detail::cat(" (flight record: ", path.string(), ")");
   }
 
   static const char* state_name(FlightEntry::State s) {

@@ -167,12 +167,7 @@ class LivenessWatch {
         } else {
           const auto n = s.store->add(dumps, 0);
           if (dumps_seen && n > *dumps_seen) {
-            const auto path = s.recorder->dump("SIGUSR1 to another rank");
-            if (!path.empty()) {
-              std::fprintf(stderr,
-                           "ddpkit: rank %d: flight record written to %s\n",
-                           s.rank, path.c_str());
-            }
+            s.recorder->dump_on_request("SIGUSR1 to another rank");
           }
           dumps_seen = n;
         }
