@@ -6,12 +6,18 @@
 #   1. torch 2.11 (the PyTorch wheel, CUDA 13.0 build: CUDA, NCCL and
 #      autocast code compiled and linked, run without a GPU): -O1 release
 #      build of tests, examples and benchmarks (build-test/), the CTest
-#      suite (the seven doctest suites run in stage 2 instead, unless
-#      DDPKIT_SANITIZE=0)
-#   2. torch 2.11: the unit and multi-process suites under AddressSanitizer
-#      + UBSan (CMake preset "asan-ubsan", build-asan/; without GCC's
+#      suite with the Trainer's doctest suites (train, reliability; the
+#      other five run in stage 2, unless DDPKIT_SANITIZE=0: then all seven
+#      run here)
+#   2. torch 2.11: the unit and multi-process suites of the distributed,
+#      parallel, data and nn code (dist, samplers, parallel, nn, data: where
+#      ddpkit handles raw memory — the reducer, shared memory, pickle and
+#      image decoding, transforms) under AddressSanitizer + UBSan (CMake
+#      preset "asan-ubsan", build-asan/; without GCC's
 #      -Wmaybe-uninitialized, which the sanitizers' instrumentation makes
-#      report false positives inside libtorch's inline code)
+#      report false positives inside libtorch's inline code). The Trainer's
+#      suites ran under the sanitizers too until CI time asked for each
+#      test file to be compiled once per libtorch version.
 #   3. torch 2.11: short libFuzzer runs of the input parsers
 #      (scripts/fuzz.sh, build-fuzz/)
 #   4. torch 1.13 (Debian's libtorch-dev, CPU): -O1 build of the library's
@@ -34,7 +40,7 @@
 #   scripts/test.sh --sanitize   stage 2 only
 #
 #   DDPKIT_SANITIZE=0        skip stage 2 (the summary says so)
-#   DDPKIT_FUZZ_SECONDS=N    seconds per fuzz target (default 20; 0 skips 3)
+#   DDPKIT_FUZZ_SECONDS=N    seconds per fuzz target (default 10; 0 skips 3)
 #   DDPKIT_TORCH113=0        skip stage 4
 #   DDPKIT_JOBS=N            build and test parallelism (default: nproc)
 #   DDPKIT_TEST_FLAGS=...    release flags of stages 1 and 4 (-O1 -DNDEBUG)
@@ -83,10 +89,10 @@ run_ctest() {
 }
 
 sanitized_suites() {
-  stamp "stage 2: torch 2.11, unit and multi-process suites under ASan + UBSan"
+  stamp "stage 2: torch 2.11, the distributed, parallel, data and nn suites under ASan + UBSan"
   cmake --preset asan-ubsan >/dev/null
   cmake --build --preset asan-ubsan -j "$jobs"
-  run_ctest "stage 2 (torch 2.11, ASan + UBSan, seven suites)" --preset asan-ubsan -j "$jobs" --output-on-failure
+  run_ctest "stage 2 (torch 2.11, ASan + UBSan: dist, samplers, parallel, nn, data)" --preset asan-ubsan -j "$jobs" --output-on-failure
 }
 
 if [[ "${1:-}" == "--sanitize" ]]; then
@@ -101,31 +107,32 @@ note "stage 0 (layers: scripts/check-layers.py; format: scripts/check-format.sh)
 
 stamp "stage 1: torch 2.11 (CUDA build, run without a GPU), release build and the CTest suite"
 build=${DDPKIT_BUILD_DIR:-build-test}
-# When stage 2 runs, the seven doctest suites (ddpkit_tests) are built and run
-# there, under ASan + UBSan, rather than also here. The tests build at -O1:
+# When stage 2 runs, five doctest suites (ddpkit_tests with
+# DDPKIT_TEST_PARTS=core) are built and run there, under ASan + UBSan, and
+# the Trainer's two here (DDPKIT_TEST_PARTS=train). The tests build at -O1:
 # half the compile time of -O3; speed is measured by
 # scripts/run-benchmarks.sh, which builds at -O3 in its own folder.
-unit=ON
-[[ "${DDPKIT_SANITIZE:-1}" != 0 ]] && unit=OFF
+parts=all
+[[ "${DDPKIT_SANITIZE:-1}" != 0 ]] && parts=train
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDDPKIT_TORCH=venv \
   "-DCMAKE_CXX_FLAGS_RELEASE=$flags" \
   -DDDPKIT_BUILD_TESTS=ON -DDDPKIT_BUILD_EXAMPLES=ON -DDDPKIT_BUILD_BENCHMARKS=ON \
-  -DDDPKIT_UNIT_TESTS=$unit -DDDPKIT_WERROR=ON | grep -E "^-- (ddpkit|Found CUDAToolkit|Found Torch)"
+  -DDDPKIT_UNIT_TESTS=ON -DDDPKIT_TEST_PARTS=$parts -DDDPKIT_WERROR=ON | grep -E "^-- (ddpkit|Found CUDAToolkit|Found Torch)"
 cmake --build "$build" -j "$jobs"
 # Multi-process tests pin one intra-op thread per rank themselves.
-run_ctest "stage 1 (torch 2.11, CTest: examples, torchrun, compile-fail, cmake import; unit suites here: $unit)" \
+run_ctest "stage 1 (torch 2.11, CTest: examples, torchrun, compile-fail, cmake import; doctest suites here: $parts)" \
   --test-dir "$build" --output-on-failure -j "$jobs" --timeout 900
 
 if [[ "${DDPKIT_SANITIZE:-1}" != 0 ]]; then
   sanitized_suites
 else
-  note "stage 2 NOT RUN (DDPKIT_SANITIZE=0); the seven suites ran in stage 1 instead"
+  note "stage 2 NOT RUN (DDPKIT_SANITIZE=0); all seven suites ran in stage 1 instead"
 fi
 
-if [[ "${DDPKIT_FUZZ_SECONDS:-20}" != 0 ]]; then
+if [[ "${DDPKIT_FUZZ_SECONDS:-10}" != 0 ]]; then
   stamp "stage 3: torch 2.11, fuzzing"
-  DDPKIT_FUZZ_SECONDS=${DDPKIT_FUZZ_SECONDS:-20} ./scripts/fuzz.sh
-  note "stage 3 (torch 2.11, libFuzzer): ${DDPKIT_FUZZ_SECONDS:-20} s per target, no finding"
+  DDPKIT_FUZZ_SECONDS=${DDPKIT_FUZZ_SECONDS:-10} ./scripts/fuzz.sh
+  note "stage 3 (torch 2.11, libFuzzer): ${DDPKIT_FUZZ_SECONDS:-10} s per target, no finding"
 else
   note "stage 3 NOT RUN (DDPKIT_FUZZ_SECONDS=0)"
 fi

@@ -1,7 +1,7 @@
 // The one test main. Run normally, it is doctest. Run with
 // DDPKIT_TEST_WORKER=name (as `run_workers` does), it is one rank of a
 // multi-process test and runs that worker instead.
-#define DOCTEST_CONFIG_IMPLEMENT
+// (doctest's implementation is doctest_impl.cpp.)
 #include "doctest_torch.hpp"
 
 #include <cstdio>
