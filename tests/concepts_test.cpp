@@ -19,6 +19,17 @@ struct MyScaling {  // a user policy, written from NoScaling's template
   }
 };
 using Holder = nn::CifarNet;
+/// forward of two tensors (a model of several inputs), and of a string.
+struct TwoInputs : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x, torch::Tensor m) {
+    return x * m;
+  }
+};
+struct TextInput : torch::nn::Module {
+  torch::Tensor forward(const std::string&) {
+    return {};
+  }
+};
 using Ptr = std::shared_ptr<nn::CifarNetImpl>;
 }  // namespace
 
@@ -65,6 +76,8 @@ static_assert(trainable_model<nn::ResNet>);
 static_assert(!trainable_model<int>);
 static_assert(
     !trainable_model<std::shared_ptr<torch::nn::Module>>);  // no forward
+static_assert(trainable_model<std::shared_ptr<TwoInputs>>);
+static_assert(!trainable_model<std::shared_ptr<TextInput>>);
 // combinations
 static_assert(sampler_matches_parallel_policy<DDP, DistributedSampling>);
 static_assert(sampler_matches_parallel_policy<SingleDevice, RandomSampling>);

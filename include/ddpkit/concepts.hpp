@@ -150,13 +150,21 @@ concept is_module_pointer = requires(M m) {
                              torch::nn::Module>;
 };
 
+/// `forward` takes one to four tensors (a batch's `data::Inputs`) and
+/// returns a tensor.
 template <class M>
 concept has_tensor_forward = requires(M m, torch::Tensor x) {
   { m->forward(x) } -> std::convertible_to<torch::Tensor>;
+} || requires(M m, torch::Tensor x) {
+  { m->forward(x, x) } -> std::convertible_to<torch::Tensor>;
+} || requires(M m, torch::Tensor x) {
+  { m->forward(x, x, x) } -> std::convertible_to<torch::Tensor>;
+} || requires(M m, torch::Tensor x) {
+  { m->forward(x, x, x, x) } -> std::convertible_to<torch::Tensor>;
 };
 
 /// A module holder (`TORCH_MODULE`) or `std::shared_ptr` to a module whose
-/// `forward(Tensor)` returns the logits.
+/// `forward` takes one to four tensors and returns the output (logits).
 template <class M>
 concept trainable_model = is_module_pointer<M> && has_tensor_forward<M>;
 

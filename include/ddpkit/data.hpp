@@ -6,6 +6,7 @@
 #pragma once
 
 #include "ddpkit/data/cifar10.hpp"
+#include "ddpkit/data/inputs.hpp"
 #include "ddpkit/data/loader.hpp"
 #include "ddpkit/data/samplers.hpp"
 #include "ddpkit/data/transforms.hpp"

@@ -5,8 +5,10 @@
 
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/clip.hpp"
+#include "ddpkit/train/evaluation.hpp"
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"
+#include "ddpkit/train/run_summary.hpp"
 #include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/trainer.hpp"

@@ -4,11 +4,13 @@
 // sequences padded by a collate step count only their real tokens; a
 // monitored metric must exist and say its direction.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../support.hpp"
@@ -21,13 +23,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
-/// y = x · w + 0.1 sin(3 x0): 4 features, one target, a sample at a time.
+/// y = x · w + 0.1 sin(3 x0): 4 features, one target, a sample at a time
+/// (each `delay` late: a straggling rank's data).
 struct RegressionSet {
   torch::Tensor x, y;
+  std::chrono::milliseconds delay{0};
   std::size_t size() const {
     return static_cast<std::size_t>(x.size(0));
   }
   data::Example get(std::size_t i) const {
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);
     const auto k = static_cast<int64_t>(i);
     return {x[k], y[k]};
   }
@@ -38,7 +43,7 @@ RegressionSet make_regression(int64_t n, std::uint64_t seed) {
   auto x = torch::randn({n, 4}, gen, torch::kFloat32);
   auto w = torch::tensor({0.5, -1.0, 2.0, 0.25}, torch::kFloat32);
   auto y = (x.matmul(w) + 0.1 * torch::sin(3 * x.select(1, 0))).unsqueeze(1);
-  return {x, y};
+  return {x, y, {}};
 }
 
 struct RegressorImpl : torch::nn::Cloneable<RegressorImpl> {
@@ -110,19 +115,86 @@ std::vector<std::pair<std::string, double>> parse_history(
 
 }  // namespace
 
-/// DDP at world 2, 10 samples per rank per step (one step per epoch),
-/// regression with sharded evaluation; rank 0 writes the history.
-DDPKIT_WORKER(task_regression_ddp) {
+/// A model of two inputs: forward(x, g), the second gating the hidden
+/// layer; its samples' input is a tuple of the two tensors.
+struct TwoInputSet {
+  torch::Tensor x, g, y;
+  struct Sample {
+    std::tuple<torch::Tensor, torch::Tensor> input;
+    torch::Tensor target;
+  };
+  std::size_t size() const {
+    return static_cast<std::size_t>(x.size(0));
+  }
+  Sample get(std::size_t i) const {
+    const auto k = static_cast<int64_t>(i);
+    return {{x[k], g[k]}, y[k]};
+  }
+};
+
+TwoInputSet make_two_input(int64_t n, std::uint64_t seed) {
+  auto base = make_regression(n, seed);
+  auto gen = ddpkit::detail::make_generator(seed + 100);
+  auto g = torch::randn({n, 2}, gen, torch::kFloat32);
+  return {base.x, g, base.y + 0.5 * g.select(1, 0).unsqueeze(1)};
+}
+
+struct TwoInputImpl : torch::nn::Cloneable<TwoInputImpl> {
+  TwoInputImpl() {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(4, 16));
+    gate = register_module("gate", torch::nn::Linear(2, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 1));
+  }
+  torch::Tensor forward(torch::Tensor x, torch::Tensor g) {
+    return fc2(torch::tanh(fc1(x)) * torch::sigmoid(gate(g)));
+  }
+  torch::nn::Linear fc1{nullptr}, gate{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(TwoInput);
+
+/// DDP at world 2 where rank 1 reads its samples 25 ms late each (4 per
+/// step: 0.1 s a step later than rank 0).
+DDPKIT_WORKER(task_straggler_ddp) {
   auto g = test::worker_group();
   torch::manual_seed(1);
-  auto train_set = make_regression(20, 1), val_set = make_regression(9, 2);
+  RegressionSet train_set = make_regression(40, 1);
+  if (g.rank() == 1) train_set.delay = std::chrono::milliseconds(25);
+  const RegressionSet val_set = make_regression(9, 2);
   DDPTrainer<Regressor, PlainBN, NoScaling, ShardedEval, Regression> trainer(
       Regressor(), sgd_momentum(),
-      regression_options(test::worker_dir() / "out"), g);
+      regression_options(test::worker_dir() / "out").epochs(2), g);
+  const auto r =
+      trainer.fit(train_set, val_set, data::LoaderOptions(4).workers(0));
+  std::ofstream(test::worker_dir() / ("slowest" + std::to_string(g.rank())))
+      << r.slowest_rank << " " << r.rank_wait_seconds.size();
+  return 0;
+}
+
+/// DDP at world 2 on `Model` and the sets `make(n, seed)` gives, 10
+/// samples per rank per step (one step per epoch), regression with sharded
+/// evaluation; each rank writes its history.
+template <class Model, class MakeSet>
+int regression_ddp_worker(MakeSet make) {
+  auto g = test::worker_group();
+  torch::manual_seed(1);
+  auto train_set = make(20, 1), val_set = make(9, 2);
+  DDPTrainer<Model, PlainBN, NoScaling, ShardedEval, Regression> trainer(
+      Model(), sgd_momentum(), regression_options(test::worker_dir() / "out"),
+      g);
   auto r = trainer.fit(train_set, val_set, data::LoaderOptions(10).workers(0));
   std::ofstream(test::worker_dir() / ("history" + std::to_string(g.rank())))
       << history_text(r);
   return 0;
+}
+
+DDPKIT_WORKER(task_regression_ddp) {
+  return regression_ddp_worker<Regressor>(make_regression);
+}
+DDPKIT_WORKER(task_two_inputs_ddp) {
+  return regression_ddp_worker<TwoInput>(make_two_input);
 }
 
 TEST_SUITE("train") {
@@ -271,6 +343,133 @@ TEST_SUITE("train") {
     CHECK(m.name == "val_mae");
     CHECK(m.goal == train::Goal::min);
     CHECK(make("train_loss", "").goal == train::Goal::min);
+  }
+
+  TEST_CASE(
+      "a model of two inputs (forward(x, g), samples with a tuple input): "
+      "DDP at world 2 and DataParallel over 2 replicas equal one process on "
+      "the joined batch; collate stacks each input; counts that do not fit "
+      "are named") {
+    // The collate step stacks input by input into data and extra.
+    auto set = make_two_input(6, 3);
+    std::vector<TwoInputSet::Sample> samples{set.get(0), set.get(4)};
+    torch::Generator gen = ddpkit::detail::make_generator(0);
+    const data::Batch b = data::Stack{}(samples, gen);
+    REQUIRE(b.extra.size() == 1);
+    CHECK(torch::equal(b.data[1], set.x[4]));
+    CHECK(torch::equal(b.extra[0][1], set.g[4]));
+    CHECK(b.inputs().size() == 2);
+    // Samples with different numbers of inputs are refused, naming both.
+    std::vector<std::pair<data::Inputs, torch::Tensor>> mixed{
+        {data::Inputs{set.x[0], set.g[0]}, set.y[0]},
+        {data::Inputs(set.x[1]), set.y[1]}};
+    CHECK_THROWS_WITH_AS(
+        data::Stack{}(mixed, gen),
+        doctest::Contains("sample 1 of the batch has 1 input tensor(s), the "
+                          "first has 2"),
+        UsageError);
+    // A count the model's forward does not take is named.
+    TwoInput net;
+    CHECK_THROWS_WITH_AS(
+        data::forward_inputs(net, data::Inputs{b.data, b.extra[0], b.data}),
+        doctest::Contains("called with 3 input tensor(s)"), UsageError);
+    CHECK_THROWS_WITH_AS(
+        data::forward_inputs(net,
+                             data::Inputs{b.data, b.extra[0].narrow(0, 0, 1)}),
+        doctest::Contains("differ in their first (batch) dimension"),
+        UsageError);
+
+    TempDir single;
+    torch::manual_seed(1);
+    auto train_set = make_two_input(20, 1), val_set = make_two_input(9, 2);
+    // One replica: one process on the joined batch (the same Trainer type
+    // as the two-replica run below, one compilation fewer).
+    DataParallelTrainer<TwoInput, RankZeroEval, Regression> t(
+        TwoInput(), sgd_momentum(), regression_options(single.path()), {},
+        parallel::DataParallelOptions().replicas(1), torch::kCPU);
+    const auto ref =
+        t.fit(train_set, val_set, data::LoaderOptions(20).workers(0));
+    REQUIRE(ref.history.size() == kEpochs);
+    CHECK(ref.history.back().val_loss() < ref.history.front().val_loss());
+    const auto want = parse_history(history_text(ref));
+    auto same_history = [&](const std::string& text) {
+      const auto got = parse_history(text);
+      REQUIRE(got.size() == want.size());
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        CAPTURE(got[i].first);
+        CHECK(got[i].first == want[i].first);
+        CHECK(std::abs(got[i].second - want[i].second) <=
+              1e-5 * std::abs(want[i].second));
+      }
+    };
+    auto same_weights = [&](const fs::path& ckpt) {
+      auto a = model_of(single / "checkpoints/last.pt");
+      auto w = model_of(ckpt);
+      for (auto& kv : a) {
+        CAPTURE(kv.key().toStringRef());
+        auto x = kv.value().toTensor(), y = w.at(kv.key()).toTensor();
+        CHECK(((x - y).abs().max() / x.abs().max()).item<double>() < 1e-5);
+      }
+    };
+
+    SUBCASE("DataParallel, 2 replicas on the CPU") {
+      TempDir dp;
+      torch::manual_seed(1);
+      DataParallelTrainer<TwoInput, RankZeroEval, Regression> d(
+          TwoInput(), sgd_momentum(), regression_options(dp.path()), {},
+          parallel::DataParallelOptions().replicas(2), torch::kCPU);
+      const auto r =
+          d.fit(train_set, val_set, data::LoaderOptions(20).workers(0));
+      CHECK(d.engine().last_split() == std::vector<int64_t>{10, 10});
+      same_history(history_text(r));
+      same_weights(dp / "checkpoints/last.pt");
+    }
+    SUBCASE("DDP at world 2") {
+      TempDir dir;
+      auto res = run_workers("task_two_inputs_ddp", 2, dir.str());
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      for (int rank = 0; rank < 2; ++rank) {
+        CAPTURE(rank);
+        same_history(read_file(dir / ("history" + std::to_string(rank))));
+      }
+      same_weights(dir / "out/checkpoints/last.pt");
+    }
+  }
+
+  TEST_CASE(
+      "stragglers: each rank's wait for the others per epoch is in "
+      "metrics.jsonl, and the summary names the rank the others waited for "
+      "(rank 1 of 2 reads its data 0.1 s a step late)") {
+    TempDir dir;
+    auto res = run_workers("task_straggler_ddp", 2, dir.str());
+    CAPTURE(res.message);
+    REQUIRE(res.ok());
+    const auto jsonl = read_file(dir / "out/metrics.jsonl");
+    CAPTURE(jsonl);
+    std::istringstream lines(jsonl);
+    std::string line;
+    int rows = 0;
+    while (std::getline(lines, line)) {
+      ++rows;
+      const auto at = line.find("\"wait_seconds\":[");
+      REQUIRE(at != std::string::npos);
+      double w0 = 0, w1 = 0;
+      char comma = 0;
+      std::istringstream(line.substr(at + 16)) >> w0 >> comma >> w1;
+      // 5 steps an epoch, each 0.1 s late on rank 1: rank 0 waits for it.
+      CHECK(w0 > 0.3);
+      CHECK(w1 < w0 / 3);
+      CHECK(line.find("\"slowest_rank\":1") != std::string::npos);
+    }
+    CHECK(rows == 2);
+    const auto summary = read_file(dir / "out/summary.json");
+    CAPTURE(summary);
+    CHECK(summary.find("\"slowest_rank\": 1") != std::string::npos);
+    CHECK(summary.find("\"wait_seconds_per_rank\": [") != std::string::npos);
+    // Every rank holds the same verdict.
+    CHECK(read_file(dir / "slowest0") == "1 2");
+    CHECK(read_file(dir / "slowest1") == "1 2");
   }
 }
 

@@ -27,6 +27,7 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/data/inputs.hpp"
 #include "ddpkit/data/transforms.hpp"
 #include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/error.hpp"
@@ -36,55 +37,111 @@
 namespace ddpkit::data {
 
 /// One batch: the model's input and the task's target (images: `data`
-/// float N×3×H×W, `target` int64 N; a language model: int64 N×T both).
+/// float N×3×H×W, `target` int64 N; a language model: int64 N×T both). A
+/// model whose forward takes several tensors gets `data` and then `extra`'s.
 struct Batch {
   torch::Tensor data;
   torch::Tensor target;
+  /// The model's further inputs, after `data` (empty for a forward of one
+  /// tensor).
+  std::vector<torch::Tensor> extra = {};
+
+  /// `data` and `extra`, as the engines take them.
+  Inputs inputs() const {
+    if (extra.empty()) return Inputs(data);
+    std::vector<torch::Tensor> all{data};
+    all.insert(all.end(), extra.begin(), extra.end());
+    return Inputs(std::move(all));
+  }
 };
 
 /// One sample of a dataset whose `get(i)` returns samples: the model's
-/// input and the task's target.
+/// input and the task's target. (Several inputs: a sample whose input is a
+/// `data::Inputs`, a tuple or a vector of tensors, e.g.
+/// `std::pair<data::Inputs, torch::Tensor>`.)
 struct Example {
   torch::Tensor input;
   torch::Tensor target;
 };
 
 namespace detail {
+/// A sample's input as Inputs: a tensor, an Inputs, a vector, a tuple or a
+/// pair of tensors.
+template <class T>
+Inputs as_inputs(const T& x) {
+  if constexpr (std::is_convertible_v<const T&, torch::Tensor>) {
+    return Inputs(torch::Tensor(x));
+  } else if constexpr (std::is_same_v<T, Inputs>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, std::vector<torch::Tensor>>) {
+    return Inputs(x);
+  } else {
+    static_assert(std::is_constructible_v<Inputs, const T&>,
+                  "a sample's input is a tensor, a data::Inputs, or a vector, "
+                  "tuple or pair of tensors");
+    return Inputs(x);
+  }
+}
+
 /// A sample's input and target: an `Example`, a pair or tuple of two
-/// tensors, or anything with `data` and `target` (libtorch's Example).
+/// (input, target), or anything with `data` and `target` (libtorch's
+/// Example).
 template <class S>
-std::pair<torch::Tensor, torch::Tensor> unpack(const S& s) {
+std::pair<Inputs, torch::Tensor> unpack(const S& s) {
   if constexpr (requires {
                   s.input;
                   s.target;
                 }) {
-    return {s.input, s.target};
+    return {as_inputs(s.input), s.target};
   } else if constexpr (requires {
                          s.data;
                          s.target;
                        }) {
-    return {s.data, s.target};
+    return {as_inputs(s.data), s.target};
   } else {
     static_assert(std::tuple_size_v<S> == 2,
                   "a sample is an Example, a pair or tuple (input, target), or "
                   "a struct with data and target");
-    return {std::get<0>(s), std::get<1>(s)};
+    return {as_inputs(std::get<0>(s)), std::get<1>(s)};
   }
 }
 
-/// The samples' inputs and their targets, in two lists.
+/// The samples' inputs, position by position (`out.first[j]`: input j of
+/// every sample), and their targets, in lists; every sample must have as
+/// many inputs as the first.
 template <class Sample>
-std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> unzip(
-    const std::vector<Sample>& samples) {
-  std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> out;
-  out.first.reserve(samples.size());
+std::pair<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>>
+unzip(const std::vector<Sample>& samples) {
+  std::pair<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>>
+      out;
   out.second.reserve(samples.size());
-  for (const auto& s : samples) {
-    auto [x, y] = unpack(s);
-    out.first.push_back(std::move(x));
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    auto [x, y] = unpack(samples[i]);
+    if (i == 0) {
+      out.first.resize(x.size());
+      for (auto& column : out.first) column.reserve(samples.size());
+    } else if (x.size() != out.first.size()) {
+      throw UsageError(ddpkit::detail::cat(
+          "collate: sample ", i, " of the batch has ", x.size(),
+          " input tensor(s), the first has ", out.first.size()));
+    }
+    for (std::size_t j = 0; j < x.size(); ++j) out.first[j].push_back(x[j]);
     out.second.push_back(std::move(y));
   }
   return out;
+}
+
+/// A batch from collated input columns (the first is `data`) and target.
+inline Batch make_batch(std::vector<torch::Tensor> inputs,
+                        torch::Tensor target) {
+  Batch b;
+  if (!inputs.empty()) {
+    b.data = std::move(inputs[0]);
+    b.extra.assign(std::make_move_iterator(inputs.begin() + 1),
+                   std::make_move_iterator(inputs.end()));
+  }
+  b.target = std::move(target);
+  return b;
 }
 }  // namespace detail
 
@@ -112,8 +169,11 @@ struct Stack {
   template <class Sample>
   Batch operator()(const std::vector<Sample>& samples,
                    torch::Generator&) const {
-    const auto [xs, ys] = detail::unzip(samples);
-    return {torch::stack(xs), torch::stack(ys)};
+    if (samples.empty()) return {};
+    auto [xs, ys] = detail::unzip(samples);
+    std::vector<torch::Tensor> inputs;
+    for (const auto& column : xs) inputs.push_back(torch::stack(column));
+    return detail::make_batch(std::move(inputs), torch::stack(ys));
   }
 };
 
@@ -127,8 +187,11 @@ struct PadSequences {
   template <class Sample>
   Batch operator()(const std::vector<Sample>& samples,
                    torch::Generator&) const {
-    const auto [xs, ys] = detail::unzip(samples);
-    return {pad(xs, input_pad), pad(ys, target_pad)};
+    if (samples.empty()) return {};
+    auto [xs, ys] = detail::unzip(samples);
+    std::vector<torch::Tensor> inputs;
+    for (const auto& column : xs) inputs.push_back(pad(column, input_pad));
+    return detail::make_batch(std::move(inputs), pad(ys, target_pad));
   }
 
  private:
@@ -189,7 +252,9 @@ inline Batch to_device(const Batch& b, const torch::Device& device) {
 #else
   const bool async = false;
 #endif
-  return {b.data.to(device, async), b.target.to(device, async)};
+  Batch out{b.data.to(device, async), b.target.to(device, async)};
+  for (const auto& t : b.extra) out.extra.push_back(t.to(device, async));
+  return out;
 }
 
 /// Iterates the batches of one epoch; move-only, stops its workers when
@@ -300,6 +365,7 @@ class Loader {
       if (options.pin_memory() && torch::cuda::is_available()) {
         out.data = out.data.pin_memory();
         out.target = out.target.pin_memory();
+        for (auto& t : out.extra) t = t.pin_memory();
       }
 #endif
       return out;

@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/concepts.hpp"
+#include "ddpkit/data/inputs.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/distributed/process_group.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
@@ -110,17 +111,18 @@ struct DataParallel {
       return last_split_;
     }
 
-    torch::Tensor forward(const torch::Tensor& x) {
-      return model_->forward(x);
+    torch::Tensor forward(const data::Inputs& x) {
+      return data::forward_inputs(model_, x);
     }
 
     template <class LossFn>
-    StepOutput forward_backward(const torch::Tensor& x, const torch::Tensor& y,
+    StepOutput forward_backward(const data::Inputs& x, const torch::Tensor& y,
                                 LossFn&& loss_fn) {
-      const int64_t n = x.size(0);
+      const int64_t n = x.rows();
       const auto used = static_cast<std::size_t>(
           std::min<int64_t>(n, static_cast<int64_t>(devices_.size())));
-      auto xs = x.tensor_split(static_cast<int64_t>(used));
+      // Each input tensor split the same way (PyTorch's scatter of a tuple).
+      auto xs = x.split(static_cast<int64_t>(used));
       auto ys = y.tensor_split(static_cast<int64_t>(used));
       refresh_replicas(used);
       std::vector<torch::Tensor> outs(used), losses(used);
@@ -136,18 +138,20 @@ struct DataParallel {
           auto dev = devices_[k];
           // This thread's CUDA work on replica k's device.
           ddpkit::compat::CudaDeviceScope on_device(dev);
-          auto xk = xs[k].to(dev);
+          auto xk =
+              xs[k].map([&](const torch::Tensor& t) { return t.to(dev); });
           auto yk = ys[k].to(dev);
           auto out =
-              k == 0 ? model_->forward(xk) : replicas_[k - 1]->forward(xk);
+              data::forward_inputs(k == 0 ? model_ : replicas_[k - 1], xk);
           // Weight each part by its share so the sum of the parts' gradients
           // is the gradient of the whole batch's mean loss.
-          auto share = static_cast<double>(xk.size(0)) / static_cast<double>(n);
+          const int64_t rows = xk.rows();
+          auto share = static_cast<double>(rows) / static_cast<double>(n);
           auto loss = loss_fn(out, yk) * share;
           loss.backward();
           outs[k] = out.detach().to(devices_[0]);
           losses[k] = loss.detach().to(devices_[0]);
-          last_split_[k] = xk.size(0);
+          last_split_[k] = rows;
         } catch (...) {
           errors[k] = std::current_exception();
         }

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/concepts.hpp"
+#include "ddpkit/data/inputs.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
@@ -110,14 +111,14 @@ struct BasicDDP {
 
     /// Forward; before a backward (grad mode on) it also finishes a step an
     /// earlier backward abandoned by throwing (see Reducer).
-    torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor forward(const data::Inputs& x) {
       if (reducer_ && torch::GradMode::is_enabled()) {
         reducer_->prepare_for_backward();
       }
       if (opts_.broadcast_buffers() && as_module(model_).is_training()) {
         broadcast_coalesced(group_, as_module(model_).buffers(), 0);
       }
-      torch::Tensor out = model_->forward(x);
+      torch::Tensor out = data::forward_inputs(model_, x);
       if (reducer_ && torch::GradMode::is_enabled() &&
           opts_.reducer().find_unused_parameters()) {
         reducer_->prepare_for_backward({out});  // the unused-parameter walk
@@ -126,7 +127,7 @@ struct BasicDDP {
     }
 
     template <class LossFn>
-    StepOutput forward_backward(const torch::Tensor& x, const torch::Tensor& y,
+    StepOutput forward_backward(const data::Inputs& x, const torch::Tensor& y,
                                 LossFn&& loss_fn) {
       torch::Tensor out, loss;
       {

@@ -110,7 +110,10 @@ concept engine_unscales_gradients = requires(E e, parallel::LossScaler& s) {
 };
 
 /// The contract of `P::engine<M>`: built from (model, group, options,
-/// device); forward, forward_backward returning {loss, output}, zero_grad
+/// device); forward, forward_backward returning {loss, output} (both given
+/// a tensor; ddpkit's engines take a `data::Inputs`, which a tensor
+/// converts to, and the Trainer passes a batch's several inputs only to an
+/// engine that takes one), zero_grad
 /// (the only way the Trainer zeroes gradients), no_sync, AMP's
 /// unscale_and_check(LossScaler&) (the only way the Trainer unscales), and
 /// the seconds the last step waited for communication.

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/concepts.hpp"
+#include "ddpkit/data/inputs.hpp"
 #include "ddpkit/distributed/process_group.hpp"
 #include "ddpkit/parallel/engine.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
@@ -48,14 +49,14 @@ struct SingleDevice {
       return device_;
     }
 
-    torch::Tensor forward(const torch::Tensor& x) {
-      return model_->forward(x);
+    torch::Tensor forward(const data::Inputs& x) {
+      return data::forward_inputs(model_, x);
     }
 
     template <class LossFn>
-    StepOutput forward_backward(const torch::Tensor& x, const torch::Tensor& y,
+    StepOutput forward_backward(const data::Inputs& x, const torch::Tensor& y,
                                 LossFn&& loss_fn) {
-      auto out = model_->forward(x);
+      auto out = data::forward_inputs(model_, x);
       auto loss = loss_fn(out, y);
       loss.backward();
       return {loss.detach(), out.detach()};

@@ -95,6 +95,8 @@ struct FitState {
   torch::nn::Module* module = nullptr;      ///< the model being trained
   CheckpointWriter* checkpoints = nullptr;  ///< for checkpoint callbacks
   StepTimes times;  ///< where this rank's step time went, this fit
+  /// `times.waited()` when the epoch began (the epoch's wait is the rest).
+  double wait_at_epoch_start = 0;
 };
 
 /// After resuming, before the first epoch.
@@ -396,6 +398,12 @@ class TensorBoardLog {
         {"time/val_seconds", m.val_seconds}};
     for (const auto& [tag, value] : scalars) {
       tb_->add_scalar(tag, value, m.epoch);
+    }
+    // Each rank's wait for the others (several processes): a straggler is
+    // the line near zero while the others rise.
+    for (std::size_t r = 0; r < m.rank_wait_seconds.size(); ++r) {
+      tb_->add_scalar("wait/rank_" + std::to_string(r), m.rank_wait_seconds[r],
+                      m.epoch);
     }
     tb_->flush();
   }

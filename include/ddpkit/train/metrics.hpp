@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -56,6 +57,23 @@ struct EpochMetrics {
   std::vector<std::pair<std::string, double>> task;
   double lr = 0, seconds = 0, train_seconds = 0, val_seconds = 0,
          train_images_per_second = 0, epoch_images_per_second = 0;
+  /// Seconds each rank waited for the others in this epoch's steps (the
+  /// gradient all-reduce after its backward and the step agreement), by
+  /// rank; empty with one process. The rank that waits least is the one
+  /// the others wait for: `slowest_rank()`. In metrics.jsonl and
+  /// TensorBoard, not in the CSV nor in checkpoints' history.
+  std::vector<double> rank_wait_seconds;
+
+  /// The rank the others waited for most (the least waiting), or -1.
+  int slowest_rank() const {
+    return least_waiting(rank_wait_seconds);
+  }
+  /// The index of the smallest wait, or -1 for none.
+  static int least_waiting(const std::vector<double>& waits) {
+    if (waits.empty()) return -1;
+    return static_cast<int>(std::min_element(waits.begin(), waits.end()) -
+                            waits.begin());
+  }
 
   /// The columns after the task's, in order.
   static constexpr std::array<std::string_view, 6> kTimingNames{
@@ -154,6 +172,13 @@ inline std::vector<std::string> metric_values(const EpochMetrics& m) {
   for (double t : m.timings()) v.push_back(num(t));
   return v;
 }
+
+/// `[a,b,...]`: numbers as a JSON array.
+inline std::string json_array(const std::vector<double>& xs) {
+  std::vector<std::string> parts;
+  for (double x : xs) parts.push_back(num(x));
+  return "[" + ddpkit::detail::join(parts, ",") + "]";
+}
 }  // namespace detail
 
 inline std::string to_json(const EpochMetrics& m) {
@@ -161,6 +186,10 @@ inline std::string to_json(const EpochMetrics& m) {
   const auto c = metrics_columns(m);
   ddpkit::detail::JsonObject j;
   for (std::size_t i = 0; i < v.size(); ++i) j.raw(c[i], v[i]);
+  if (!m.rank_wait_seconds.empty()) {
+    j.raw("wait_seconds", detail::json_array(m.rank_wait_seconds))
+        .add("slowest_rank", m.slowest_rank());
+  }
   return j.compact();
 }
 

@@ -1,12 +1,19 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // Stopping on SIGTERM / SIGINT at a step boundary: the signal only raises a
-// flag; the training loop sees it, the ranks agree on the step, rank 0
+// flag; the training loop sees it, the ranks agree on the step (one small
+// all-reduce per step, which also carries whether the step was finite, and
+// one at each epoch's end, which also carries a callback's stop), rank 0
 // writes a checkpoint, and `Interrupted` ends the run.
 #pragma once
 
 #include <signal.h>
 
 #include <csignal>
+#include <cstdint>
+
+#include <torch/torch.h>
+
+#include "ddpkit/distributed/collectives.hpp"
 
 namespace ddpkit::train {
 
@@ -56,5 +63,65 @@ class SignalFlag {
   struct sigaction old_term_{};
   struct sigaction old_int_{};
 };
+
+/// What the ranks agreed after a step's backward.
+struct StepAgreement {
+  int signal = 0;                ///< SIGTERM/SIGINT any rank received (0: none)
+  int nonfinite_rank = -1;       ///< first rank whose loss was not finite
+  bool nonfinite_grads = false;  ///< the averaged gradients were not
+};
+
+/// After a step's backward: one all-reduce (max) of [signal, world - first
+/// rank whose loss was not finite, gradients not finite] over `group`,
+/// where the ranks communicate per step anyway (and a signal or the check
+/// asks for it); else the local view of rank `rank` (one process, or
+/// `group` null under join, where ranks step unevenly and a signal waits
+/// for the epoch's end: `local_signal` false).
+inline StepAgreement agree_on_step(const dist::Group* group,
+                                   const SignalFlag& signals, bool check,
+                                   bool loss_finite, bool grads_finite,
+                                   int rank, bool local_signal = true) {
+  StepAgreement a;
+  if (group && (signals.armed() || check)) {
+    const int world = group->size();
+    auto t =
+        torch::tensor(
+            {static_cast<std::int64_t>(signals.pending()),
+             static_cast<std::int64_t>(loss_finite ? 0 : world - group->rank()),
+             static_cast<std::int64_t>(grads_finite ? 0 : 1)},
+            torch::kInt64)
+            .to(group->device());
+    dist::CollectiveTag tag("step agreement");
+    dist::all_reduce(*group, t, dist::Reduce::max);
+    t = t.cpu();
+    const auto* v = t.data_ptr<std::int64_t>();
+    a.signal = static_cast<int>(v[0]);
+    a.nonfinite_rank = v[1] > 0 ? world - static_cast<int>(v[1]) : -1;
+    a.nonfinite_grads = v[2] != 0;
+    return a;
+  }
+  a.signal = local_signal ? signals.pending() : 0;
+  a.nonfinite_rank = loss_finite ? -1 : rank;
+  a.nonfinite_grads = !grads_finite;
+  return a;
+}
+
+/// At an epoch's end every rank agrees on stopping (a callback may have
+/// decided on one rank only: `stop` becomes true on every rank if it was on
+/// any) and on a signal, which it returns (0: none). `group` null: one
+/// process, nothing to agree.
+inline int agree_at_epoch_end(const dist::Group* group,
+                              const SignalFlag& signals, bool& stop) {
+  if (!group) return signals.pending();
+  auto t = torch::tensor({static_cast<std::int64_t>(signals.pending()),
+                          static_cast<std::int64_t>(stop)},
+                         torch::kInt64)
+               .to(group->device());
+  dist::CollectiveTag tag("stop agreement");
+  dist::all_reduce(*group, t, dist::Reduce::max);
+  t = t.cpu();
+  if (t[1].item<std::int64_t>() != 0) stop = true;
+  return static_cast<int>(t[0].item<std::int64_t>());
+}
 
 }  // namespace ddpkit::train

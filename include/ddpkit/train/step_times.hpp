@@ -27,7 +27,15 @@ struct StepTimes {
   double backward = 0;   ///< backward, including `grad_wait`
   double grad_wait = 0;  ///< of `backward`: waiting for gradient all-reduces
   double agree = 0;      ///< the ranks' agreement (signals, finiteness)
+  /// Of `agree`: its collective (the rest is the finiteness check).
+  double agree_collective = 0;
   double optimizer = 0;  ///< unscale, clip and the optimizer's step
+
+  /// Waiting for the other ranks: the gradient all-reduce's wait and the
+  /// agreement's collective (a straggler's is the smallest).
+  double waited() const {
+    return grad_wait + agree_collective;
+  }
 
   /// What no phase above counts (batches to the device, metric sums,
   /// callbacks such as checkpoints).

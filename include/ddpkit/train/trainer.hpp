@@ -43,11 +43,13 @@
 #include "ddpkit/train/callbacks.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/clip.hpp"
+#include "ddpkit/train/evaluation.hpp"
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/options.hpp"
 #include "ddpkit/train/reduction.hpp"
 #include "ddpkit/train/run_folder.hpp"
+#include "ddpkit/train/run_summary.hpp"
 #include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/step_times.hpp"
 #include "ddpkit/train/task.hpp"
@@ -59,34 +61,6 @@ namespace ddpkit::train {
 /// The loss scaler lives with the engines that unscale (parallel/); the
 /// Trainer's name for it stays.
 using parallel::LossScaler;
-
-/// The result of `fit`.
-struct FitResult {
-  std::vector<EpochMetrics> history;
-  Monitor monitor;        ///< what "best" means
-  double best_value = 0;  ///< the monitored metric's best value
-  int best_epoch = 0;     ///< its epoch (1-based; 0: none)
-  int epochs_run = 0;
-  bool stopped_early = false;
-  double total_seconds = 0;
-  StepTimes step_times;  ///< where this rank's step time went
-};
-
-/// The task's metrics over a dataset, the same on every rank.
-struct EvalResult {
-  /// The task's metrics by name ("loss", "acc", ...), in its order.
-  std::vector<std::pair<std::string, double>> metrics;
-  double loss = 0;          ///< the first metric, the mean loss
-  int64_t count = 0;        ///< samples evaluated, all ranks together
-  int64_t local_count = 0;  ///< of those, the samples this rank evaluated
-
-  /// A metric by its task name ("acc"); a UsageError if the task has none.
-  double value(std::string_view name) const {
-    if (const double* v = find_metric(metrics, name)) return *v;
-    throw UsageError(ddpkit::detail::cat("no metric '", name,
-                                         "' in this task's evaluation"));
-  }
-};
 
 /// Makes the optimizer over the model's parameters (after they are on the
 /// device and, for DDP, broadcast from rank 0).
@@ -189,7 +163,7 @@ class Trainer : private CheckpointWriter {
                             .weights_pattern(options_.weights_pattern())),
         MetricsFiles{},
         TensorBoardLog(options_.tensorboard(), options_.log_every_n_steps(),
-                       hparams_markdown(lo)),
+                       hparams_markdown(run_info(), lo.batch_size())),
         ProgressDisplay(is_main() && options_.verbose(), options_.progress(),
                         std::string(sample_unit<Task>()))};
     auto emit = [&](const auto& event) {
@@ -249,9 +223,12 @@ class Trainer : private CheckpointWriter {
       }
       const EpochMetrics m = end_epoch(s, val, eval_transform, lo);
       emit(EpochEnd{s, m});
-      if (const int sig = agree_at_epoch_end(s, signals)) {
-        stop_on_signal(s, sig, /*mid_epoch=*/false, emit);
+      const bool stopping = s.stop;
+      const int sig = agree_at_epoch_end(agreement_group(), signals, s.stop);
+      if (s.stop && !stopping) {
+        s.stop_reason = "stopped: a callback on another rank asked to";
       }
+      if (sig != 0) stop_on_signal(s, sig, /*mid_epoch=*/false, emit);
     }
     emit(FitEnd{s});
     return finish_fit(s, fit_start);
@@ -278,50 +255,35 @@ class Trainer : private CheckpointWriter {
   }
 
   /// The task's metrics over `set`, computed as `Reduction` says and
-  /// identical on every rank.
+  /// identical on every rank (evaluation.hpp).
   template <class Dataset, class EvalTransform>
   EvalResult evaluate(const Dataset& set, EvalTransform eval_transform,
                       data::LoaderOptions lo) {
     lo.drop_last(false);
     lo.rank(group_.rank());
-    dist::CollectiveTag tag("evaluation");
-    const std::size_t n = set.size();
-    torch::Tensor sums;
-    int64_t local = 0;
-    const bool distributed = multi();
-    if (distributed && Reduction::shards_evaluation) {
-      data::DistributedSampling shard(
-          n, {.rank = group_.rank(), .world_size = group_.size()},
-          data::DistributedSamplingOptions().shuffle(false).evaluation(true));
-      sums = eval_sums(set, eval_transform, lo, shard.indices());
-      local = static_cast<int64_t>(sums[0].template item<double>());
-      sums = sums.to(group_.device());
-      dist::all_reduce(group_, sums);
-    } else {
-      data::SequentialSampling all(n);
-      sums = (!distributed || is_main())
-                 ? eval_sums(set, eval_transform, lo, all.indices())
-                 : torch::zeros({1 + num_sums}, torch::kFloat64);
-      local = static_cast<int64_t>(sums[0].template item<double>());
-      sums = sums.to(group_.device());
-      // The other ranks wait for rank 0's evaluation through the store,
-      // bounded by eval_timeout rather than the collective timeout.
-      if (distributed) {
-        dist::broadcast_when_ready(
-            group_, sums, 0,
-            std::chrono::milliseconds(
-                static_cast<int64_t>(options_.eval_timeout() * 1000)),
-            "evaluation (TrainerOptions::eval_timeout)");
+    auto forward = [&](const data::Batch& batch) {
+      const data::Inputs x = to_device_inputs(batch, /*non_blocking=*/false);
+      torch::Tensor y = batch.target.to(device_);
+      std::optional<ddpkit::compat::AutocastGuard> mixed;
+      if (options_.precision() != Precision::fp32) {
+        mixed.emplace(autocast_state());
       }
-    }
-    sums = sums.cpu().contiguous();
-    EvalResult r;
-    r.count = static_cast<int64_t>(sums[0].template item<double>());
-    r.local_count = local;
-    r.metrics = named_metrics<Task>(
-        task_.finish(task_sums(sums.data_ptr<double>() + 1)), "");
-    r.loss = r.metrics[0].second;
-    return r;
+      torch::Tensor out = engine_forward(x);
+      if (mixed) {
+        mixed.reset();  // the task's sums in float32
+        if (out.is_floating_point()) out = out.to(torch::kFloat32);
+      }
+      return std::pair{out, y};
+    };
+    return evaluate_across(
+        task_, multi() ? &group_ : nullptr, Reduction::shards_evaluation,
+        std::chrono::milliseconds(
+            static_cast<int64_t>(options_.eval_timeout() * 1000)),
+        set.size(), [&](const std::vector<std::size_t>& indices) {
+          return evaluation_sums_over(
+              task_, parallel::as_module(engine_.module()), set, eval_transform,
+              lo, indices, forward);
+        });
   }
 
   Model& model() {
@@ -350,66 +312,33 @@ class Trainer : private CheckpointWriter {
   /// Rank 0 writes OUT/summary.json (fit does this itself; call it again to
   /// add a test-set result).
   void write_summary(const FitResult& r, const EvalResult* test) const {
-    JsonObject j;
-    j.add("example", options_.run_name())
-        .add("ddpkit_version", std::string(ddpkit::version))
-        .add("libtorch_version", ddpkit::compat::torch_version())
-        .add("mode", std::string(Parallel::name))
-        .add("world_size", world())
-        .add("transport", Parallel::is_multi_process ? group_.transport()
-                                                     : std::string("none"))
-        .add("hosts", Parallel::is_multi_process ? group_.hosts() : 1)
-        .add("sampler",
-             std::string(Parallel::is_multi_process ? "distributed" : "local"))
-        .add("bn", std::string(BN::name))
-        .add("lr_scaling", std::string(LRScaling::name))
-        .add("evaluation", std::string(Reduction::name))
-        .add("task", std::string(Task::name))
-        .add("precision", precision_name(options_.precision()))
-        .add("memory_format", memory_format_name(options_.memory_format()))
-        .add("epochs_run", r.epochs_run)
-        .add("stopped_early", r.stopped_early)
-        .add("monitor", r.monitor.name)
-        .add("monitor_mode", std::string(r.monitor.goal_name()))
-        .add("best_epoch", r.best_epoch)
-        .add("best_" + r.monitor.name, r.best_value)
-        .add("final_" + r.monitor.name,
-             r.history.empty() ? 0.0 : r.history.back().value(r.monitor.name));
-    if (test) {
-      for (const auto& [name, value] : test->metrics)
-        j.add("test_" + name, value);
+    std::optional<double> bytes;
+    if constexpr (requires { engine_.last_step_bytes(); }) {
+      bytes = static_cast<double>(engine_.last_step_bytes());
+    }
+    train::write_summary(run_info(), r, test, bytes);
+  }
+
+  /// What this run is, for summary.json and the hparams table.
+  RunInfo run_info() const {
+    RunInfo info;
+    info.mode = Parallel::name;
+    info.sampler = Parallel::is_multi_process ? "distributed" : "local";
+    info.bn = BN::name;
+    info.lr_scaling = LRScaling::name;
+    info.evaluation = Reduction::name;
+    info.task = Task::name;
+    info.world_size = world();
+    if constexpr (Parallel::is_multi_process) {
+      info.transport = group_.transport();
+      info.hosts = group_.hosts();
     }
     if constexpr (requires { engine_.comm_name(); }) {
-      j.add("comm", engine_.comm_name())
-          .add("gradient_bytes_per_step",
-               static_cast<double>(engine_.last_step_bytes()));
+      info.comm = engine_.comm_name();
     }
-    // Over the epochs with a train/val split (older checkpoints' rows have
-    // none: NaN).
-    double images = 0, seconds = 0, train_seconds = 0;
-    for (const auto& m : r.history) {
-      if (!std::isfinite(m.train_seconds)) continue;
-      images += m.epoch_images_per_second * m.seconds;
-      seconds += m.seconds;
-      train_seconds += m.train_seconds;
-    }
-    j.add("total_seconds", r.total_seconds)
-        .add("train_images_per_second",
-             train_seconds > 0 ? images / train_seconds : 0.0)
-        .add("epoch_images_per_second", seconds > 0 ? images / seconds : 0.0);
-    // Rank 0's step time by phase, ms per step (StepTimes).
-    if (r.step_times.steps > 0) j.raw("step_ms", r.step_times.json());
-    if (options_.accumulate() > 1) j.add("accumulate", options_.accumulate());
-    if (options_.keep_best() != 1) j.add("keep_best", options_.keep_best());
-    if (options_.clip().max_norm() > 0) {
-      j.add("clip_grad_norm", options_.clip().max_norm())
-          .add("clip_norm_type", options_.clip().norm_type());
-    }
-    if (options_.clip().max_value() > 0) {
-      j.add("clip_grad_value", options_.clip().max_value());
-    }
-    ddpkit::detail::write_atomically(
-        std::filesystem::path(options_.out_dir()) / "summary.json", j.str());
+    info.monitor = monitor_;
+    info.options = options_;
+    return info;
   }
 
  private:
@@ -474,6 +403,13 @@ class Trainer : private CheckpointWriter {
   }
   bool multi() const {
     return Parallel::is_multi_process && group_.size() > 1;
+  }
+
+  /// The group the ranks agree through at step and epoch ends: none with
+  /// one process, nor per step under join (ranks step unevenly there).
+  const dist::Group* agreement_group(bool per_step = false) const {
+    if (!multi() || (per_step && join_)) return nullptr;
+    return &group_;
   }
 
   /// Several processes: gathers `value` from every rank (a collective) and
@@ -574,6 +510,7 @@ class Trainer : private CheckpointWriter {
   auto begin_epoch(FitState& s, Sampler& sampler, const Loader& loader,
                    const data::LoaderOptions& lo) {
     s.epoch_start = clock::now();
+    s.wait_at_epoch_start = s.times.waited();
     s.lr = lr_at<LRScaling>(options_.lr(), s.world, options_.schedule(),
                             s.epoch, s.epochs);
     set_lr(*optimizer_, s.lr);
@@ -684,7 +621,7 @@ class Trainer : private CheckpointWriter {
     StepTimes& times = s.times;
     const auto me = std::this_thread::get_id();
     for (std::size_t i = 0; i < step.size(); ++i) {
-      torch::Tensor x = to_device_input(step[i].data, /*non_blocking=*/true);
+      const data::Inputs x = to_device_inputs(step[i], /*non_blocking=*/true);
       torch::Tensor y = step[i].target.to(device_, /*non_blocking=*/true);
       const double n = static_cast<double>(y.size(0));
       const double weight = step.size() == 1 ? 1.0 : n / step_samples;
@@ -700,13 +637,13 @@ class Trainer : private CheckpointWriter {
       auto run = [&] {
         if (autocast) {
           ddpkit::compat::AutocastGuard on(autocast_state());
-          return engine_.forward_backward(
+          return engine_forward_backward(
               x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
                 return loss_fn(a.to(torch::kFloat32), b) * factor;
               });
         }
-        if (factor == 1.0) return engine_.forward_backward(x, y, loss_fn);
-        return engine_.forward_backward(
+        if (factor == 1.0) return engine_forward_backward(x, y, loss_fn);
+        return engine_forward_backward(
             x, y, [&](const torch::Tensor& a, const torch::Tensor& b) {
               return loss_fn(a, b) * factor;
             });
@@ -737,10 +674,14 @@ class Trainer : private CheckpointWriter {
       loss_finite = loss_finite && std::isfinite(d.loss);
     const bool check = options_.check_finite() && !amp;
     const auto agree_start = clock::now();
-    const Agreement a = agree_on_step(signals, check, loss_finite,
-                                      !check || grads_finite(*s.module));
+    const bool grads_ok = !check || grads_finite(*s.module);
+    const auto collective_start = clock::now();
+    const StepAgreement a =
+        agree_on_step(agreement_group(/*per_step=*/true), signals, check,
+                      loss_finite, grads_ok, rank(), /*local_signal=*/!join_);
     const auto agree_end = clock::now();
     times.agree += seconds_between(agree_start, agree_end);
+    times.agree_collective += seconds_between(collective_start, agree_end);
     if (check && (a.nonfinite_rank >= 0 || a.nonfinite_grads)) {
       skip_or_stop_nonfinite(s, a, done.size());
       return a.signal;
@@ -792,42 +733,6 @@ class Trainer : private CheckpointWriter {
     }
   }
 
-  /// What the ranks agreed after a step's backward.
-  struct Agreement {
-    int signal = 0;           ///< SIGTERM/SIGINT any rank received (0: none)
-    int nonfinite_rank = -1;  ///< first rank whose loss was not finite
-    bool nonfinite_grads = false;  ///< the averaged gradients were not
-  };
-
-  /// One all-reduce (max) of [signal, world - first bad rank, bad grads]
-  /// where the ranks communicate per step anyway; the local view where
-  /// they cannot (one process; join, where ranks step unevenly).
-  Agreement agree_on_step(const SignalFlag& signals, bool check,
-                          bool loss_finite, bool grads_finite) const {
-    Agreement a;
-    if (multi() && !join_ && (signals.armed() || check)) {
-      auto t =
-          torch::tensor(
-              {static_cast<std::int64_t>(signals.pending()),
-               static_cast<std::int64_t>(loss_finite ? 0 : world() - rank()),
-               static_cast<std::int64_t>(grads_finite ? 0 : 1)},
-              torch::kInt64)
-              .to(group_.device());
-      dist::CollectiveTag tag("step agreement");
-      dist::all_reduce(group_, t, dist::Reduce::max);
-      t = t.cpu();
-      const auto* v = t.data_ptr<std::int64_t>();
-      a.signal = static_cast<int>(v[0]);
-      a.nonfinite_rank = v[1] > 0 ? world() - static_cast<int>(v[1]) : -1;
-      a.nonfinite_grads = v[2] != 0;
-      return a;
-    }
-    a.signal = join_ ? 0 : signals.pending();
-    a.nonfinite_rank = loss_finite ? -1 : rank();
-    a.nonfinite_grads = !grads_finite;
-    return a;
-  }
-
   /// Whether every gradient of `module` is finite (one host sync).
   static bool grads_finite(const torch::nn::Module& module) {
     return gradients_finite(module.parameters());
@@ -836,7 +741,7 @@ class Trainer : private CheckpointWriter {
   /// A step whose loss or gradients were not finite, not taken: skipped
   /// (and reported) while `skip_nonfinite` allows, else a NonFiniteError
   /// on every rank.
-  void skip_or_stop_nonfinite(FitState& s, const Agreement& a,
+  void skip_or_stop_nonfinite(FitState& s, const StepAgreement& a,
                               std::size_t batches) {
     using ddpkit::detail::cat;
     engine_.zero_grad();
@@ -881,8 +786,16 @@ class Trainer : private CheckpointWriter {
   EpochMetrics end_epoch(FitState& s, const Dataset& val,
                          EvalTransform& eval_transform,
                          const data::LoaderOptions& lo) {
-    // Training metrics over every rank's samples.
-    auto t = epoch_sums(s).to(group_.device());
+    // Training metrics over every rank's samples, and (several processes)
+    // each rank's wait for the others in its own slot: one all-reduce.
+    auto t = epoch_sums(s);
+    const int64_t waits_at = t.size(0);
+    if (multi()) {
+      auto waits = torch::zeros({world()}, torch::kFloat64);
+      waits[rank()] = s.times.waited() - s.wait_at_epoch_start;
+      t = torch::cat({t, waits});
+    }
+    t = t.to(group_.device());
     dist::CollectiveTag tag("epoch end");
     if (multi()) dist::all_reduce(group_, t);
     t = t.cpu().contiguous();
@@ -896,6 +809,10 @@ class Trainer : private CheckpointWriter {
         task_.finish(task_sums(t.data_ptr<double>() + 2)), "train_");
     for (const auto& [name, value] : ev.metrics) {
       m.task.emplace_back("val_" + name, value);
+    }
+    if (multi()) {
+      const double* w = t.data_ptr<double>() + waits_at;
+      m.rank_wait_seconds.assign(w, w + world());
     }
     m.lr = s.lr;
     const auto since = [](auto a, auto b) {
@@ -940,24 +857,6 @@ class Trainer : private CheckpointWriter {
     resume_rng_ = torch::Tensor();
   }
 
-  /// At an epoch's end every rank agrees on stopping (a callback may have
-  /// decided on one rank only) and on a signal; returns the signal or 0.
-  int agree_at_epoch_end(FitState& s, const SignalFlag& signals) const {
-    if (!multi()) return signals.pending();
-    auto t = torch::tensor({static_cast<std::int64_t>(signals.pending()),
-                            static_cast<std::int64_t>(s.stop)},
-                           torch::kInt64)
-                 .to(group_.device());
-    dist::CollectiveTag tag("stop agreement");
-    dist::all_reduce(group_, t, dist::Reduce::max);
-    t = t.cpu();
-    if (t[1].template item<std::int64_t>() != 0 && !s.stop) {
-      s.stop = true;
-      s.stop_reason = "stopped: a callback on another rank asked to";
-    }
-    return static_cast<int>(t[0].template item<std::int64_t>());
-  }
-
   /// Every rank: a checkpoint where the run stands (mid-epoch: written
   /// here; at an epoch's end: ModelCheckpoint has written it), `FitEnd`,
   /// then `Interrupted`.
@@ -998,6 +897,18 @@ class Trainer : private CheckpointWriter {
     result.total_seconds =
         std::chrono::duration<double>(clock::now() - fit_start).count();
     result.step_times = s.times;
+    for (const EpochMetrics& m : result.history) {
+      const auto& w = m.rank_wait_seconds;
+      if (w.empty()) continue;
+      if (result.rank_wait_seconds.empty()) {
+        result.rank_wait_seconds.assign(w.size(), 0.0);
+      }
+      if (w.size() != result.rank_wait_seconds.size()) continue;
+      for (std::size_t r = 0; r < w.size(); ++r) {
+        result.rank_wait_seconds[r] += w[r];
+      }
+    }
+    result.slowest_rank = EpochMetrics::least_waiting(result.rank_wait_seconds);
     if (is_main()) write_summary(result, nullptr);
     return result;
   }
@@ -1023,41 +934,6 @@ class Trainer : private CheckpointWriter {
     mid_ = {static_cast<std::int64_t>(s.step), all.cpu(), states};
     save_checkpoint(path, s.epoch);
     mid_ = {};
-  }
-
-  template <class Dataset, class EvalTransform>
-  torch::Tensor eval_sums(const Dataset& set, EvalTransform& tf,
-                          const data::LoaderOptions& lo,
-                          const std::vector<std::size_t>& indices) {
-    // [samples, task sums...] in double, so sums are exact enough to be
-    // identical whichever rank computed them.
-    auto sums = torch::zeros({1 + num_sums}, torch::kFloat64);
-    if (indices.empty()) return sums;
-    torch::NoGradGuard no_grad;
-    torch::nn::Module& module = parallel::as_module(engine_.module());
-    const bool was_training = module.is_training();
-    module.eval();
-    data::Loader loader(set, tf, lo);
-    auto epoch = loader.epoch(indices, 0);
-    std::array<double, 1 + num_sums> acc{};
-    while (auto batch = epoch.next()) {
-      torch::Tensor x = to_device_input(batch->data, /*non_blocking=*/false);
-      torch::Tensor y = batch->target.to(device_);
-      std::optional<ddpkit::compat::AutocastGuard> mixed;
-      if (options_.precision() != Precision::fp32)
-        mixed.emplace(autocast_state());
-      torch::Tensor out = engine_.forward(x);
-      if (mixed) {
-        mixed.reset();  // the task's sums in float32
-        if (out.is_floating_point()) out = out.to(torch::kFloat32);
-      }
-      const auto b = train::evaluation_sums(task_, out, y);
-      acc[0] += static_cast<double>(y.size(0));
-      for (std::size_t i = 0; i < num_sums; ++i) acc[1 + i] += b[i];
-    }
-    module.train(was_training);
-    return torch::tensor(std::vector<double>(acc.begin(), acc.end()),
-                         torch::kFloat64);
   }
 
   /// `num_sums` doubles as the task's sums.
@@ -1316,38 +1192,6 @@ class Trainer : private CheckpointWriter {
     }
   }
 
-  std::string hparams_markdown(const data::LoaderOptions& lo) const {
-    std::string md = "| setting | value |\n|---|---|\n";
-    auto row = [&](const std::string& k, const std::string& v) {
-      md += "| " + k + " | " + v + " |\n";
-    };
-    using detail::num;
-    row("run", options_.run_name());
-    row("mode", Parallel::name);
-    row("world_size", std::to_string(world()));
-    row("bn", BN::name);
-    row("lr_scaling", LRScaling::name);
-    row("evaluation", Reduction::name);
-    row("task", std::string(Task::name));
-    row("monitor",
-        monitor_.name + " (" + std::string(monitor_.goal_name()) + ")");
-    row("epochs", std::to_string(options_.epochs()));
-    row("lr", num(options_.lr()));
-    row("batch_size_per_rank", std::to_string(lo.batch_size()));
-    row("accumulate", std::to_string(options_.accumulate()));
-    row("clip_grad_norm", num(options_.clip().max_norm()));
-    row("clip_grad_value", num(options_.clip().max_value()));
-    row("seed", std::to_string(options_.seed()));
-    row("max_steps", std::to_string(options_.max_steps()));
-    row("precision", precision_name(options_.precision()));
-    row("memory_format", memory_format_name(options_.memory_format()));
-    if constexpr (requires { engine_.comm_name(); }) {
-      row("comm", engine_.comm_name());
-    }
-    row("torch", ddpkit::compat::torch_version());
-    return md;
-  }
-
   static Model prepare(Model model, const dist::Group& g,
                        const TrainerOptions& o) {
     BN::apply(parallel::as_module(model), g);
@@ -1365,15 +1209,51 @@ class Trainer : private CheckpointWriter {
     return model;
   }
 
-  /// A batch's input on the device, in the chosen memory format (4-D).
-  torch::Tensor to_device_input(const torch::Tensor& x,
-                                bool non_blocking) const {
-    auto on = x.to(device_, non_blocking);
-    if (on.dim() == 4 &&
-        options_.memory_format() == torch::MemoryFormat::ChannelsLast) {
-      on = on.contiguous(torch::MemoryFormat::ChannelsLast);
+  /// A batch's inputs on the device, each 4-D one in the chosen memory
+  /// format.
+  data::Inputs to_device_inputs(const data::Batch& b, bool non_blocking) const {
+    const bool channels_last =
+        options_.memory_format() == torch::MemoryFormat::ChannelsLast;
+    return b.inputs().map([&](const torch::Tensor& x) {
+      auto on = x.to(device_, non_blocking);
+      if (on.dim() == 4 && channels_last) {
+        on = on.contiguous(torch::MemoryFormat::ChannelsLast);
+      }
+      return on;
+    });
+  }
+
+  /// The engine's forward (and forward_backward) with a batch's inputs; an
+  /// engine of your own that takes one tensor gets the first, and a batch of
+  /// several inputs is refused for it.
+  static constexpr bool engine_takes_inputs =
+      requires(engine_type& e, const data::Inputs& x) { e.forward(x); };
+  static const torch::Tensor& single_input(const data::Inputs& x) {
+    if (x.size() != 1) {
+      throw UsageError(ddpkit::detail::cat(
+          "the parallel policy's engine takes one input tensor, and the batch "
+          "has ",
+          x.size(), ": give its forward and forward_backward a data::Inputs"));
     }
-    return on;
+    return x[0];
+  }
+  torch::Tensor engine_forward(const data::Inputs& x) {
+    if constexpr (engine_takes_inputs) {
+      return engine_.forward(x);
+    } else {
+      return engine_.forward(single_input(x));
+    }
+  }
+  template <class LossFn>
+  parallel::StepOutput engine_forward_backward(const data::Inputs& x,
+                                               const torch::Tensor& y,
+                                               LossFn&& loss_fn) {
+    if constexpr (engine_takes_inputs) {
+      return engine_.forward_backward(x, y, std::forward<LossFn>(loss_fn));
+    } else {
+      return engine_.forward_backward(single_input(x), y,
+                                      std::forward<LossFn>(loss_fn));
+    }
   }
 
   dist::Group group_;

@@ -1,0 +1,192 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// What a run was and what it gave: `RunInfo` (the composition and the
+// settings, built once by the Trainer), `FitResult` and `EvalResult`, and
+// the two places they are written: OUT/summary.json and the TensorBoard
+// hparams table.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ddpkit/detail/atomic_file.hpp"
+#include "ddpkit/detail/compat.hpp"
+#include "ddpkit/detail/error.hpp"
+#include "ddpkit/detail/json.hpp"
+#include "ddpkit/detail/strings.hpp"
+#include "ddpkit/train/metrics.hpp"
+#include "ddpkit/train/options.hpp"
+#include "ddpkit/train/step_times.hpp"
+#include "ddpkit/train/task.hpp"
+#include "ddpkit/version.hpp"
+
+namespace ddpkit::train {
+
+/// The result of `fit`.
+struct FitResult {
+  std::vector<EpochMetrics> history;
+  Monitor monitor;        ///< what "best" means
+  double best_value = 0;  ///< the monitored metric's best value
+  int best_epoch = 0;     ///< its epoch (1-based; 0: none)
+  int epochs_run = 0;
+  bool stopped_early = false;
+  double total_seconds = 0;
+  StepTimes step_times;  ///< where this rank's step time went
+  /// Seconds each rank waited for the others over the fit's epochs (their
+  /// `EpochMetrics::rank_wait_seconds` added; empty with one process), and
+  /// the rank that waited least: the one the others waited for.
+  std::vector<double> rank_wait_seconds;
+  int slowest_rank = -1;
+};
+
+/// The task's metrics over a dataset, the same on every rank.
+struct EvalResult {
+  /// The task's metrics by name ("loss", "acc", ...), in its order.
+  std::vector<std::pair<std::string, double>> metrics;
+  double loss = 0;          ///< the first metric, the mean loss
+  int64_t count = 0;        ///< samples evaluated, all ranks together
+  int64_t local_count = 0;  ///< of those, the samples this rank evaluated
+
+  /// A metric by its task name ("acc"); a UsageError if the task has none.
+  double value(std::string_view name) const {
+    if (const double* v = find_metric(metrics, name)) return *v;
+    throw UsageError(ddpkit::detail::cat("no metric '", name,
+                                         "' in this task's evaluation"));
+  }
+};
+
+/// What a run is: its policies' names, where it runs, and its options —
+/// everything summary.json and the hparams table say besides the results.
+struct RunInfo {
+  std::string mode;     ///< the parallel policy's name
+  std::string sampler;  ///< "distributed" or "local"
+  std::string bn, lr_scaling, evaluation, task;
+  int world_size = 1;
+  std::string transport = "none";  ///< the group's, for several processes
+  int hosts = 1;
+  std::string comm;  ///< the gradient communication (DDP), else ""
+  Monitor monitor;
+  TrainerOptions options;
+};
+
+/// OUT/summary.json's text: the run, its results, the test set's metrics
+/// (`test`, optional) and the bytes of gradients sent per step (where the
+/// engine reports them).
+inline std::string summary_json(const RunInfo& info, const FitResult& r,
+                                const EvalResult* test,
+                                std::optional<double> gradient_bytes) {
+  const TrainerOptions& o = info.options;
+  using ddpkit::detail::num;
+  JsonObject j;
+  j.add("example", o.run_name())
+      .add("ddpkit_version", std::string(ddpkit::version))
+      .add("libtorch_version", ddpkit::compat::torch_version())
+      .add("mode", info.mode)
+      .add("world_size", info.world_size)
+      .add("transport", info.transport)
+      .add("hosts", info.hosts)
+      .add("sampler", info.sampler)
+      .add("bn", info.bn)
+      .add("lr_scaling", info.lr_scaling)
+      .add("evaluation", info.evaluation)
+      .add("task", info.task)
+      .add("precision", precision_name(o.precision()))
+      .add("memory_format", memory_format_name(o.memory_format()))
+      .add("epochs_run", r.epochs_run)
+      .add("stopped_early", r.stopped_early)
+      .add("monitor", r.monitor.name)
+      .add("monitor_mode", std::string(r.monitor.goal_name()))
+      .add("best_epoch", r.best_epoch)
+      .add("best_" + r.monitor.name, r.best_value)
+      .add("final_" + r.monitor.name,
+           r.history.empty() ? 0.0 : r.history.back().value(r.monitor.name));
+  if (test) {
+    for (const auto& [name, value] : test->metrics) {
+      j.add("test_" + name, value);
+    }
+  }
+  if (!info.comm.empty()) {
+    j.add("comm", info.comm)
+        .add("gradient_bytes_per_step", gradient_bytes.value_or(0.0));
+  }
+  // Over the epochs with a train/val split (older checkpoints' rows have
+  // none: NaN).
+  double images = 0, seconds = 0, train_seconds = 0;
+  for (const auto& m : r.history) {
+    if (!std::isfinite(m.train_seconds)) continue;
+    images += m.epoch_images_per_second * m.seconds;
+    seconds += m.seconds;
+    train_seconds += m.train_seconds;
+  }
+  j.add("total_seconds", r.total_seconds)
+      .add("train_images_per_second",
+           train_seconds > 0 ? images / train_seconds : 0.0)
+      .add("epoch_images_per_second", seconds > 0 ? images / seconds : 0.0);
+  if (!r.rank_wait_seconds.empty()) {
+    std::vector<std::string> waits;
+    for (double w : r.rank_wait_seconds) waits.push_back(num(w));
+    j.raw("wait_seconds_per_rank",
+          "[" + ddpkit::detail::join(waits, ", ") + "]")
+        .add("slowest_rank", r.slowest_rank);
+  }
+  // Rank 0's step time by phase, ms per step (StepTimes).
+  if (r.step_times.steps > 0) j.raw("step_ms", r.step_times.json());
+  if (o.accumulate() > 1) j.add("accumulate", o.accumulate());
+  if (o.keep_best() != 1) j.add("keep_best", o.keep_best());
+  if (o.clip().max_norm() > 0) {
+    j.add("clip_grad_norm", o.clip().max_norm())
+        .add("clip_norm_type", o.clip().norm_type());
+  }
+  if (o.clip().max_value() > 0) j.add("clip_grad_value", o.clip().max_value());
+  return j.str();
+}
+
+/// Writes `summary_json` to OUT/summary.json (atomically).
+inline void write_summary(const RunInfo& info, const FitResult& r,
+                          const EvalResult* test,
+                          std::optional<double> gradient_bytes) {
+  ddpkit::detail::write_atomically(
+      std::filesystem::path(info.options.out_dir()) / "summary.json",
+      summary_json(info, r, test, gradient_bytes));
+}
+
+/// The TensorBoard hparams table (markdown) of a run whose loader has
+/// `batch_size` per rank.
+inline std::string hparams_markdown(const RunInfo& info,
+                                    std::size_t batch_size) {
+  const TrainerOptions& o = info.options;
+  std::string md = "| setting | value |\n|---|---|\n";
+  auto row = [&](const std::string& k, const std::string& v) {
+    md += "| " + k + " | " + v + " |\n";
+  };
+  using ddpkit::detail::num;
+  row("run", o.run_name());
+  row("mode", info.mode);
+  row("world_size", std::to_string(info.world_size));
+  row("bn", info.bn);
+  row("lr_scaling", info.lr_scaling);
+  row("evaluation", info.evaluation);
+  row("task", info.task);
+  row("monitor",
+      info.monitor.name + " (" + std::string(info.monitor.goal_name()) + ")");
+  row("epochs", std::to_string(o.epochs()));
+  row("lr", num(o.lr()));
+  row("batch_size_per_rank", std::to_string(batch_size));
+  row("accumulate", std::to_string(o.accumulate()));
+  row("clip_grad_norm", num(o.clip().max_norm()));
+  row("clip_grad_value", num(o.clip().max_value()));
+  row("seed", std::to_string(o.seed()));
+  row("max_steps", std::to_string(o.max_steps()));
+  row("precision", precision_name(o.precision()));
+  row("memory_format", memory_format_name(o.memory_format()));
+  if (!info.comm.empty()) row("comm", info.comm);
+  row("torch", ddpkit::compat::torch_version());
+  return md;
+}
+
+}  // namespace ddpkit::train
