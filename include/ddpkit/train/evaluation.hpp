@@ -92,9 +92,7 @@ EvalResult evaluate_across(const Task& task, const dist::Group* group,
   sums = sums.cpu().contiguous();
   const double* v = sums.data_ptr<double>();
   r.count = static_cast<int64_t>(v[0]);
-  std::array<double, k> task_sums{};
-  for (std::size_t i = 0; i < k; ++i) task_sums[i] = v[1 + i];
-  r.metrics = named_metrics<Task>(task.finish(task_sums), "");
+  r.metrics = named_metrics<Task>(task.finish(task_sums_at<Task>(v + 1)), "");
   r.loss = r.metrics[0].second;
   return r;
 }

@@ -81,7 +81,6 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
                                 const EvalResult* test,
                                 std::optional<double> gradient_bytes) {
   const TrainerOptions& o = info.options;
-  using ddpkit::detail::num;
   JsonObject j;
   j.add("example", o.run_name())
       .add("ddpkit_version", std::string(ddpkit::version))
@@ -128,10 +127,7 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
            train_seconds > 0 ? images / train_seconds : 0.0)
       .add("epoch_images_per_second", seconds > 0 ? images / seconds : 0.0);
   if (!r.rank_wait_seconds.empty()) {
-    std::vector<std::string> waits;
-    for (double w : r.rank_wait_seconds) waits.push_back(num(w));
-    j.raw("wait_seconds_per_rank",
-          "[" + ddpkit::detail::join(waits, ", ") + "]")
+    j.raw("wait_seconds_per_rank", detail::json_array(r.rank_wait_seconds))
         .add("slowest_rank", r.slowest_rank);
   }
   // Rank 0's step time by phase, ms per step (StepTimes).

@@ -171,6 +171,15 @@ concept task_sums_evaluation = requires(const T& t, const torch::Tensor& x) {
 
 namespace ddpkit::train {
 
+/// `Task::num_sums` doubles from `p` (a reduced tensor's data) as the
+/// task's sums.
+template <class Task>
+std::array<double, Task::num_sums> task_sums_at(const double* p) {
+  std::array<double, Task::num_sums> a{};
+  for (std::size_t i = 0; i < Task::num_sums; ++i) a[i] = p[i];
+  return a;
+}
+
 /// The sums of one evaluation batch: the task's own `evaluation_sums`, or
 /// `sums` with the batch's mean loss.
 template <task_policy Task>

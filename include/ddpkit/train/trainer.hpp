@@ -806,7 +806,7 @@ class Trainer : private CheckpointWriter {
     m.epoch = s.epoch + 1;
     const double total = t[1].template item<double>();
     m.task = named_metrics<Task>(
-        task_.finish(task_sums(t.data_ptr<double>() + 2)), "train_");
+        task_.finish(task_sums_at<Task>(t.data_ptr<double>() + 2)), "train_");
     for (const auto& [name, value] : ev.metrics) {
       m.task.emplace_back("val_" + name, value);
     }
@@ -934,13 +934,6 @@ class Trainer : private CheckpointWriter {
     mid_ = {static_cast<std::int64_t>(s.step), all.cpu(), states};
     save_checkpoint(path, s.epoch);
     mid_ = {};
-  }
-
-  /// `num_sums` doubles as the task's sums.
-  static std::array<double, num_sums> task_sums(const double* p) {
-    std::array<double, num_sums> a{};
-    for (std::size_t i = 0; i < num_sums; ++i) a[i] = p[i];
-    return a;
   }
 
   /// This rank's epoch so far: [loss sum, samples, task sums...].
