@@ -13,3 +13,4 @@
 #include "ddpkit/parallel/reducer.hpp"
 #include "ddpkit/parallel/single_device.hpp"
 #include "ddpkit/parallel/trace.hpp"
+#include "ddpkit/parallel/zero.hpp"

@@ -7,7 +7,7 @@
 //   Trainer<Model, Parallel, Sampler, BN, LRScaling, Evaluation, Task>
 //
 //   Parallel    SingleDevice, DataParallel, DDP, DDPFp16, DDPBf16,
-//               DDPPowerSGD, DDPRuntimeComm                     [parallel/]
+//               DDPPowerSGD, DDPRuntimeComm, ZeRO1              [parallel/]
 //   Sampler     SequentialSampling, RandomSampling,
 //               DistributedSampling                             [data/]
 //   BN          PlainBN, SyncBN                                 [nn/]
@@ -46,6 +46,7 @@ using parallel::DDPFp16;
 using parallel::DDPPowerSGD;
 using parallel::DDPRuntimeComm;
 using parallel::SingleDevice;
+using parallel::ZeRO1;
 using train::Classification;
 using train::LanguageModel;
 using train::LinearScaling;
@@ -81,6 +82,11 @@ template <class Model, class BN = PlainBN, class Scaling = NoScaling,
           class Reduction = RankZeroEval, class Task = Classification>
 using DDPTrainer =
     Trainer<Model, DDP, DistributedSampling, BN, Scaling, Reduction, Task>;
+/// DDP with the optimizer state sharded across ranks (ZeRO stage 1).
+template <class Model, class BN = PlainBN, class Scaling = NoScaling,
+          class Reduction = RankZeroEval, class Task = Classification>
+using ZeRO1Trainer =
+    Trainer<Model, ZeRO1, DistributedSampling, BN, Scaling, Reduction, Task>;
 template <class Model, class Reduction = RankZeroEval,
           class Task = Classification>
 using SingleDeviceTrainer = Trainer<Model, SingleDevice, RandomSampling,

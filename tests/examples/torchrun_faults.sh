@@ -9,6 +9,10 @@
 #            after epoch 2's checkpoint: torchrun restarts the group, the
 #            ranks resume from last.pt and finish; the final weights must
 #            equal an uninterrupted run's, bit for bit.
+#   stop     4 ranks, default liveness settings: SIGSTOP rank 2 mid-epoch;
+#            ranks 0, 1 and 3 must exit non-zero within 30 s, each naming
+#            rank 2 and its pid; one of them prints ddpkit-doctor's verdict,
+#            and the doctor run here on the flight records names rank 2.
 #
 # Prints the time to detection. Exits 77 (skip) without a Python with torch.
 set -euo pipefail
@@ -18,6 +22,7 @@ source "$(dirname "$0")/torch_python.sh"
 rm -rf "$out"
 mkdir -p "$out"
 tpid=""
+nproc=2
 cleanup() {  # on failure: stop torchrun and its workers
   [[ -n $tpid ]] || return 0
   local kids
@@ -30,7 +35,7 @@ torchrun() {  # torchrun flags... binary args... (run with &: $! is torchrun)
   # --redirects 2 --tee 2: Debian's torchrun 1.13 on Python 3.11 cannot parse
   # the default "0" and crashes.
   new_rdzv
-  exec "$py" -m torch.distributed.run "${standalone[@]}" --nproc_per_node=2 \
+  exec "$py" -m torch.distributed.run "${standalone[@]}" --nproc_per_node=$nproc \
     --redirects 2 --tee 2 "$@"
 }
 
@@ -109,6 +114,60 @@ restart)
     || { echo "FAIL: metrics.jsonl does not hold $epochs epochs"; exit 1; }
   "$py" "$(dirname "$0")/same_weights.py" "$out/ref/checkpoints/last.pt" "$out/run/checkpoints/last.pt"
   echo "torchrun restart + resume: ok"
+  ;;
+stop)
+  nproc=4
+  log=$out/torchrun.log
+  # torchrun looks at its workers every 5 s: the ranks' own detection, not
+  # torchrun's SIGTERM after the first exit, must end them.
+  torchrun --max_restarts 0 --monitor_interval 5 --log-dir "$out/logs" --no_python "$bin" \
+    --out "$out/run" --epochs 50 "$@" > "$log" 2>&1 &
+  tpid=$!
+  wait_epochs "$out/run" 1
+  victim=$(rank_pid 2) || { echo "rank 2 not found"; exit 1; }
+  declare -A pid_of
+  for r in 0 1 3; do pid_of[$r]=$(rank_pid $r) || { echo "rank $r not found"; exit 1; }; done
+  running() {  # a process that exists and is not a zombie
+    [[ -r /proc/$1/stat ]] && ! awk '{ exit !($3 == "Z") }' "/proc/$1/stat" 2>/dev/null
+  }
+  t0=$(now)
+  kill -STOP "$victim"
+  secs=""
+  for i in $(seq 1 600); do
+    left=0
+    for r in 0 1 3; do running "${pid_of[$r]}" && left=1; done
+    if (( left == 0 )); then
+      secs=$(awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'); break
+    fi
+    sleep 0.1
+  done
+  kill -9 "$victim" 2>/dev/null || true
+  rc=0
+  wait "$tpid" || rc=$?
+  tpid=""
+  # The ranks' stderr: torchrun's copy in its log, and the files it tees.
+  all=$out/all.log
+  { cat "$log"; find "$out/logs" -name stderr.log -exec cat {} + 2>/dev/null || true; } > "$all"
+  grep -E "error \(rank|ddpkit-doctor:" "$log" | head -n 20
+  [[ -n $secs ]] || { echo "FAIL: ranks 0, 1, 3 still running 60 s after rank 2 stopped"; exit 1; }
+  echo "rank 2 (pid $victim) SIGSTOPped mid-epoch; ranks 0, 1, 3 ended after $secs s; torchrun exited $rc"
+  [[ $rc != 0 ]] || { echo "FAIL: torchrun exited 0"; exit 1; }
+  awk -v s="$secs" 'BEGIN { exit !(s <= 30) }' || { echo "FAIL: took $secs s (limit 30)"; exit 1; }
+  for r in 0 1 3; do
+    grep -Eq "error \(rank $r\): rank 2 \(pid $victim on host '[^']*'\) sent no heartbeat" "$all" \
+      || { echo "FAIL: rank $r did not name rank 2 (pid $victim)"; exit 1; }
+  done
+  grep -q "ddpkit-doctor: fault: rank 2 wrote no flight record" "$all" \
+    || { echo "FAIL: the job did not print the doctor's verdict"; exit 1; }
+  [[ $(grep -l "^fault: rank 2" "$out/run/flight/verdict.txt" | wc -l) == 1 ]] \
+    || { echo "FAIL: no verdict.txt naming rank 2 in the flight records' folder"; exit 1; }
+  drc=0
+  "$py" "$(dirname "$0")/../../scripts/ddpkit-doctor" "$out/run/flight" > "$out/doctor.txt" 2>&1 || drc=$?
+  head -n 5 "$out/doctor.txt"
+  [[ $drc == 1 ]] || { echo "FAIL: ddpkit-doctor exited $drc (want 1: a fault)"; exit 1; }
+  head -n 1 "$out/doctor.txt" | grep -q "^fault: rank 2 wrote no flight record" \
+    || { echo "FAIL: the doctor's verdict does not name rank 2"; exit 1; }
+  echo "torchrun stop: ok"
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac

@@ -1384,7 +1384,193 @@ void check_syncbn_unequal(const std::filesystem::path& dir, double tol) {
   }
 }
 
+// ---- ZeRO stage 1 ------------------------------------------------------
+
+namespace {
+
+constexpr int kZeroSteps = 50;
+constexpr int kZeroPerRank = 4;
+
+std::unique_ptr<torch::optim::Optimizer> zero_optimizer(
+    const std::string& kind, std::vector<torch::Tensor> p) {
+  if (kind == "adamw") {
+    return std::make_unique<torch::optim::AdamW>(
+        p, torch::optim::AdamWOptions(1e-2).weight_decay(0.05));
+  }
+  return std::make_unique<torch::optim::SGD>(
+      p, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-3));
+}
+
+}  // namespace
+
+/// 50 steps of SmallNet at world w, DDP (`T_MODE=ddp`, the user's optimizer
+/// over every parameter) or ZeRO-1 (`zero`): `T_OPT` sgd (momentum, weight
+/// decay) or adamw, `T_ACCUM=1` two micro-batches per step, `T_CLIP=1`
+/// global norm clipped to 0.5. Half way every rank consolidates and rank 0
+/// saves the net and the whole optimizer state (`half-net.pt`,
+/// `half-opt.pt`); `T_LOAD=DIR` starts from DIR's instead, at that step.
+/// Writes `net{r}.pt` and the optimizer state bytes it kept (`bytes{r}`).
+DDPKIT_WORKER(zero_train) {
+  auto g = test::worker_group();
+  const int r = g.rank(), w = g.size();
+  const std::string kind = env_or("T_OPT", "sgd");
+  const bool zero = env_or("T_MODE", "zero") == "zero";
+  const bool accum = env_or("T_ACCUM", "0") == "1";
+  const bool clip = env_or("T_CLIP", "0") == "1";
+  const std::string load = env_or("T_LOAD", "");
+  const auto dir = test::worker_dir();
+  auto net = test::make_net(100 + r);
+  // The weights before the engine is built (as the Trainer's resume loads
+  // them in place): torch::load's set_ after DDP's construction left the
+  // ranks apart (not investigated further).
+  if (!load.empty()) {
+    torch::load(net, (std::filesystem::path(load) / "half-net.pt").string());
+  }
+  auto run = [&](auto& eng, torch::optim::Optimizer& opt, auto consolidate) {
+    int first = 0;
+    if (!load.empty()) {
+      torch::serialize::InputArchive a;
+      a.load_from((std::filesystem::path(load) / "half-opt.pt").string());
+      opt.load(a);
+      first = kZeroSteps / 2;
+    }
+    for (int s = first; s < kZeroSteps; ++s) {
+      if (s == kZeroSteps / 2 && load.empty()) {
+        consolidate();
+        if (r == 0) {
+          torch::serialize::OutputArchive a;
+          opt.save(a);
+          a.save_to((dir / "half-opt.pt").string());
+          torch::save(net, (dir / "half-net.pt").string());
+        }
+      }
+      auto [x, y] = test::global_batch(s, w * kZeroPerRank);
+      auto xr = x.narrow(0, r * kZeroPerRank, kZeroPerRank);
+      auto yr = y.narrow(0, r * kZeroPerRank, kZeroPerRank);
+      eng.zero_grad();
+      if (accum) {
+        const int64_t half = kZeroPerRank / 2;
+        auto loss_half = [](const torch::Tensor& o, const torch::Tensor& t) {
+          return test::ce_loss(o, t) * 0.5;
+        };
+        {
+          auto guard = eng.no_sync();
+          eng.forward_backward(xr.narrow(0, 0, half), yr.narrow(0, 0, half),
+                               loss_half);
+        }
+        eng.forward_backward(xr.narrow(0, half, half), yr.narrow(0, half, half),
+                             loss_half);
+      } else {
+        eng.forward_backward(xr, yr, test::ce_loss);
+      }
+      if (clip) torch::nn::utils::clip_grad_norm_(net->parameters(), 0.5);
+      opt.step();
+    }
+  };
+  auto factory = [&](std::vector<torch::Tensor> p) {
+    return zero_optimizer(kind, std::move(p));
+  };
+  uint64_t bytes = 0;
+  if (zero) {
+    parallel::ZeRO1::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
+    auto opt = eng.make_optimizer(factory);
+    run(eng, *opt, [&] { eng.consolidate_optimizer(); });
+    bytes = eng.optimizer_state_bytes();
+  } else {
+    parallel::DDP::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
+    auto opt = factory(net->parameters());
+    run(eng, *opt, [] {});
+    bytes = parallel::optimizer_state_bytes(*opt);
+  }
+  torch::save(net, (dir / ("net" + std::to_string(r) + ".pt")).string());
+  std::ofstream(dir / ("bytes" + std::to_string(r))) << bytes;
+  return 0;
+}
+
 TEST_SUITE("parallel") {
+  TEST_CASE(
+      "ZeRO-1 equals DDP (SGD with momentum and weight decay, AdamW; with "
+      "accumulation and clipping; world 2 and 4), keeps about 1/world of "
+      "the optimizer state per rank, and its checkpoints resume at another "
+      "world size") {
+    struct Case {
+      int world;
+      const char* opt;
+      bool accum, clip;
+    };
+    auto read_bytes = [](const TempDir& d, int r) {
+      uint64_t n = 0;
+      std::ifstream(d / ("bytes" + std::to_string(r))) >> n;
+      return n;
+    };
+    for (const Case& c :
+         {Case{2, "sgd", false, false}, Case{2, "adamw", true, true},
+          Case{4, "adamw", false, false}}) {
+      CAPTURE(c.world);
+      CAPTURE(c.opt);
+      CAPTURE(c.accum);
+      TempDir ddp, zero;
+      std::vector<std::pair<std::string, std::string>> env{
+          {"T_OPT", c.opt},
+          {"T_ACCUM", c.accum ? "1" : "0"},
+          {"T_CLIP", c.clip ? "1" : "0"}};
+      auto with = [&](const char* mode) {
+        auto e = env;
+        e.emplace_back("T_MODE", mode);
+        return e;
+      };
+      REQUIRE(run_workers("zero_train", c.world, ddp.str(), with("ddp")).ok());
+      REQUIRE(
+          run_workers("zero_train", c.world, zero.str(), with("zero")).ok());
+      auto want = load_net(ddp / "net0.pt", false);
+      uint64_t total = 0;
+      const uint64_t whole = read_bytes(ddp, 0);
+      // The largest parameter's state (fc1's or conv2's weight), the most
+      // one rank can hold above an even share.
+      uint64_t largest = 0;
+      for (const auto& p : want->parameters()) {
+        largest = std::max<uint64_t>(largest, p.nbytes());
+      }
+      largest *= std::string(c.opt) == "adamw" ? 2 : 1;
+      for (int r = 0; r < c.world; ++r) {
+        CAPTURE(r);
+        auto got = load_net(zero / ("net" + std::to_string(r) + ".pt"), false);
+        const double d = test::max_state_diff(*got, *want);
+        MESSAGE("ZeRO-1 ", c.opt, c.accum ? " accumulate+clip" : "", " world ",
+                c.world, " rank ", r, ": max relative difference from DDP ", d,
+                "; state ", read_bytes(zero, r), " of ", whole, " bytes");
+        CHECK(d <= 1e-6);
+        const uint64_t mine = read_bytes(zero, r);
+        CHECK(mine <= whole / static_cast<uint64_t>(c.world) + largest);
+        total += mine;
+      }
+      CHECK(whole > 0);
+      CHECK(total == whole);  // every parameter's state on exactly one rank
+
+      if (c.world != 2 || c.accum) continue;
+      // The state saved half way at world 2 (consolidated on rank 0: a
+      // plain optimizer's) resumes ZeRO at world 4 as it resumes DDP there.
+      TempDir ddp4, zero4;
+      auto from = [&](const char* mode) {
+        auto e = with(mode);
+        e.emplace_back("T_LOAD", zero.str());
+        return e;
+      };
+      REQUIRE(run_workers("zero_train", 4, ddp4.str(), from("ddp")).ok());
+      REQUIRE(run_workers("zero_train", 4, zero4.str(), from("zero")).ok());
+      auto want4 = load_net(ddp4 / "net0.pt", false);
+      for (int r = 0; r < 4; ++r) {
+        auto got = load_net(zero4 / ("net" + std::to_string(r) + ".pt"), false);
+        const double d = test::max_state_diff(*got, *want4);
+        MESSAGE("resumed at world 4 from world 2: rank ", r, " ", d);
+        CHECK(d <= 1e-6);
+      }
+      // And the resumed runs moved on from the loaded state: not DDP's
+      // world-2 result.
+      CHECK(test::max_state_diff(*want4, *want) > 1e-3);
+    }
+  }
+
   TEST_CASE("DDP equals one process on the joined batch") {
     for (bool bn : {false, true}) {
       for (int world : {2, 4}) {

@@ -55,9 +55,19 @@ struct RegressorImpl : torch::nn::Cloneable<RegressorImpl> {
     fc2 = register_module("fc2", torch::nn::Linear(16, 1));
   }
   torch::Tensor forward(torch::Tensor x) {
+    if (skip_forward > 0 && --skip_forward == 0) {
+      // A batch "skipped": an output that does not come from the
+      // parameters, so backward launches none of their all-reduces.
+      std::ofstream(test::worker_dir() / "skipped")
+          << dist::FlightRecorder::now_us() << "\n";
+      return torch::zeros({x.size(0), 1}, torch::requires_grad());
+    }
     return fc2(torch::tanh(fc1(x)));
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  /// > 0: the forward call that many calls from now skips the batch (the
+  /// desync test's rank 1).
+  static inline int skip_forward = 0;
 };
 TORCH_MODULE(Regressor);
 
@@ -173,17 +183,58 @@ DDPKIT_WORKER(task_straggler_ddp) {
   return 0;
 }
 
+/// The liveness watch in a real DDP fit. `T_FAULT=skip`: rank 1 skips its
+/// third batch (its gradient all-reduces never start). `T_FAULT=slow-write`:
+/// rank 0 sleeps 10 s inside its first checkpoint write (between the
+/// temporary file's fsync and the rename) while rank 1 waits for it.
+/// `T_FAULT=slow-data`: rank 1's loader takes 7 s for the one epoch's one
+/// batch (0.7 s a sample) while rank 0 waits for it.
+DDPKIT_WORKER(task_liveness_fault) {
+  auto g = test::worker_group();
+  const std::string fault = std::getenv("T_FAULT");
+  const auto out = test::worker_dir() / "out";
+  if (fault == "skip" && g.rank() == 1) RegressorImpl::skip_forward = 3;
+  if (fault == "slow-write" && g.rank() == 0) {
+    train::before_rename_hook() = [out, slept = false]() mutable {
+      std::error_code ec;
+      for (const auto& f : fs::directory_iterator(out / "checkpoints", ec)) {
+        const auto name = f.path().filename().string();
+        if (!slept && name.rfind("last.pt.tmp-", 0) == 0) {
+          slept = true;
+          std::ofstream(test::worker_dir() / "slept");
+          std::this_thread::sleep_for(std::chrono::seconds(10));
+          return;
+        }
+      }
+    };
+  }
+  torch::manual_seed(1);
+  RegressionSet train_set = make_regression(20, 1);
+  const RegressionSet val_set = make_regression(9, 2);
+  const bool slow_data = fault == "slow-data";
+  if (slow_data && g.rank() == 1) {
+    train_set.delay = std::chrono::milliseconds(700);
+  }
+  DDPTrainer<Regressor, PlainBN, NoScaling, ShardedEval, Regression> trainer(
+      Regressor(), sgd_momentum(),
+      regression_options(out).epochs(slow_data ? 1 : 2), g);
+  const auto r = trainer.fit(
+      train_set, val_set, data::LoaderOptions(slow_data ? 10 : 2).workers(0));
+  return r.history.size() == (slow_data ? 1u : 2u) ? 0 : 1;
+}
+
 /// DDP at world 2 on `Model` and the sets `make(n, seed)` gives, 10
 /// samples per rank per step (one step per epoch), regression with sharded
 /// evaluation; each rank writes its history.
-template <class Model, class MakeSet>
+template <class Model, class Policy = DDP, class MakeSet>
 int regression_ddp_worker(MakeSet make) {
   auto g = test::worker_group();
   torch::manual_seed(1);
   auto train_set = make(20, 1), val_set = make(9, 2);
-  DDPTrainer<Model, PlainBN, NoScaling, ShardedEval, Regression> trainer(
-      Model(), sgd_momentum(), regression_options(test::worker_dir() / "out"),
-      g);
+  Trainer<Model, Policy, DistributedSampling, PlainBN, NoScaling, ShardedEval,
+          Regression>
+      trainer(Model(), sgd_momentum(),
+              regression_options(test::worker_dir() / "out"), g);
   auto r = trainer.fit(train_set, val_set, data::LoaderOptions(10).workers(0));
   std::ofstream(test::worker_dir() / ("history" + std::to_string(g.rank())))
       << history_text(r);
@@ -193,14 +244,20 @@ int regression_ddp_worker(MakeSet make) {
 DDPKIT_WORKER(task_regression_ddp) {
   return regression_ddp_worker<Regressor>(make_regression);
 }
+// ZeRO-1: the optimizer state sharded, consolidated on rank 0 for each
+// epoch's checkpoint.
+DDPKIT_WORKER(task_regression_zero) {
+  return regression_ddp_worker<Regressor, ZeRO1>(make_regression);
+}
 DDPKIT_WORKER(task_two_inputs_ddp) {
   return regression_ddp_worker<TwoInput>(make_two_input);
 }
 
 TEST_SUITE("train") {
   TEST_CASE(
-      "Regression through DDP at world 2 equals one process on the joined "
-      "batch: weights and every metric (train and validation sums reduced "
+      "Regression through DDP (and ZeRO-1) at world 2 equals one process on "
+      "the joined batch: weights and every metric (train and validation sums "
+      "reduced "
       "across ranks)") {
     TempDir single;
     torch::manual_seed(1);
@@ -223,29 +280,32 @@ TEST_SUITE("train") {
     CHECK(summary.find("\"task\": \"regression\"") != std::string::npos);
     CHECK(summary.find("\"best_val_loss\":") != std::string::npos);
 
-    TempDir dir;
-    auto res = run_workers("task_regression_ddp", 2, dir.str());
-    CAPTURE(res.message);
-    REQUIRE(res.ok());
-    const auto want = parse_history(history_text(ref));
-    for (int rank = 0; rank < 2; ++rank) {
-      CAPTURE(rank);
-      const auto got =
-          parse_history(read_file(dir / ("history" + std::to_string(rank))));
-      REQUIRE(got.size() == want.size());
-      for (std::size_t i = 0; i < got.size(); ++i) {
-        CAPTURE(got[i].first);
-        CHECK(got[i].first == want[i].first);
-        CHECK(std::abs(got[i].second - want[i].second) <=
-              1e-5 * std::abs(want[i].second));
+    for (const char* worker : {"task_regression_ddp", "task_regression_zero"}) {
+      CAPTURE(worker);
+      TempDir dir;
+      auto res = run_workers(worker, 2, dir.str());
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      const auto want = parse_history(history_text(ref));
+      for (int rank = 0; rank < 2; ++rank) {
+        CAPTURE(rank);
+        const auto got =
+            parse_history(read_file(dir / ("history" + std::to_string(rank))));
+        REQUIRE(got.size() == want.size());
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          CAPTURE(got[i].first);
+          CHECK(got[i].first == want[i].first);
+          CHECK(std::abs(got[i].second - want[i].second) <=
+                1e-5 * std::abs(want[i].second));
+        }
       }
-    }
-    auto a = model_of(single / "checkpoints/last.pt");
-    auto b = model_of(dir / "out/checkpoints/last.pt");
-    for (auto& kv : a) {
-      CAPTURE(kv.key().toStringRef());
-      auto x = kv.value().toTensor(), y = b.at(kv.key()).toTensor();
-      CHECK(((x - y).abs().max() / x.abs().max()).item<double>() < 1e-5);
+      auto a = model_of(single / "checkpoints/last.pt");
+      auto b = model_of(dir / "out/checkpoints/last.pt");
+      for (auto& kv : a) {
+        CAPTURE(kv.key().toStringRef());
+        auto x = kv.value().toTensor(), y = b.at(kv.key()).toTensor();
+        CHECK(((x - y).abs().max() / x.abs().max()).item<double>() < 1e-5);
+      }
     }
   }
 
@@ -295,6 +355,79 @@ TEST_SUITE("train") {
                          doctest::Contains("LanguageModel: the model's output "
                                            "has shape [3, 5]"),
                          UsageError);
+  }
+
+  TEST_CASE(
+      "liveness in a DDP fit: a rank that skips a batch is told as a desync "
+      "within 10 s at the default settings, both collectives named; rank 0 "
+      "writing a checkpoint or rank 1's loader stalled longer than the "
+      "silence limit is no false alarm") {
+    if (!dist::compat::can_clone_store) {
+      MESSAGE(
+          "NOT RUN: this libtorch (< 2.5) cannot clone a store, so the "
+          "liveness watch is off in this build");
+      return;
+    }
+    SUBCASE("a skipped batch") {
+      TempDir dir;
+      auto [res, secs] = test::timed_run_workers(
+          "task_liveness_fault", 2, dir.str(),
+          {{"T_FAULT", "skip"}, {"DDPKIT_DOCTOR", DDPKIT_DOCTOR}});
+      CHECK(res.exit_code == kPeerFailureExitCode);
+      long long skipped_us = 0;
+      std::ifstream(dir / "skipped") >> skipped_us;
+      REQUIRE(skipped_us > 0);
+      for (int r = 0; r < 2; ++r) {
+        CAPTURE(r);
+        const auto path =
+            dir / "out" / "flight" / ("rank-" + std::to_string(r) + ".json");
+        REQUIRE(fs::exists(path));
+        const auto record = read_file(path);
+        const auto reason = record.substr(0, record.find("\"time_us\""));
+        CAPTURE(reason);
+        CHECK(reason.find("\"reason\": \"desync at collective #") !=
+              std::string::npos);
+        // Rank 1 went on to the step's agreement while rank 0 waits in the
+        // gradients' all-reduce.
+        CHECK(reason.find("rank 1 all_reduce") != std::string::npos);
+        CHECK(reason.find("(step agreement)") != std::string::npos);
+        CHECK(reason.find("(bucket 0)") != std::string::npos);
+        const auto at = record.find("\"time_us\": ");
+        REQUIRE(at != std::string::npos);
+        const double took =
+            static_cast<double>(std::stoll(record.substr(at + 11)) -
+                                skipped_us) /
+            1e6;
+        MESSAGE("rank ", r, " told of the desync ", took,
+                " s after rank 1 skipped its batch");
+        CHECK(took < 10);
+      }
+      // One of the ranks ran ddpkit-doctor on both records (and printed
+      // the first line).
+      const auto verdict = dir / "out" / "flight" / "verdict.txt";
+      REQUIRE(fs::exists(verdict));
+      const auto report = read_file(verdict);
+      CAPTURE(report);
+      CHECK(report.rfind("fault: collective #", 0) == 0);
+    }
+    SUBCASE("a data loader stalled 7 s on one rank (silence limit 3 s)") {
+      TempDir dir;
+      auto res = run_workers(
+          "task_liveness_fault", 2, dir.str(),
+          {{"T_FAULT", "slow-data"}, {"DDPKIT_LIVENESS_TIMEOUT", "3"}});
+      CHECK(res.ok());
+      CHECK(res.message == "");
+    }
+    SUBCASE("a checkpoint write of 10 s (silence limit 3 s)") {
+      TempDir dir;
+      auto res = run_workers(
+          "task_liveness_fault", 2, dir.str(),
+          {{"T_FAULT", "slow-write"}, {"DDPKIT_LIVENESS_TIMEOUT", "3"}});
+      CHECK(res.ok());
+      CHECK(res.message == "");
+      CHECK(fs::exists(dir / "slept"));
+      CHECK(fs::exists(dir / "out" / "checkpoints" / "last.pt"));
+    }
   }
 
   TEST_CASE(

@@ -12,7 +12,9 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -106,6 +108,25 @@ inline std::string torch_version() {
 /// up to 2.11, an intrusive pointer in later releases.
 using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(
     std::declval<const torch::autograd::Variable&>()));
+
+// ---- optimizers ------------------------------------------------------------
+
+/// The key of parameter `p`'s entry in `torch::optim::Optimizer::state()`:
+/// its TensorImpl's address, as a `void*` (libtorch 2.x) or printed as a
+/// string (1.13, `c10::guts::to_string` of the pointer). A template so
+/// that only the branch of this libtorch's key type is compiled.
+template <class State = std::decay_t<
+              decltype(std::declval<torch::optim::Optimizer&>().state())>>
+inline auto optimizer_state_key(const torch::Tensor& p) {
+  using Key = typename State::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream out;
+    out << p.unsafeGetTensorImpl();
+    return out.str();
+  } else {
+    return static_cast<Key>(p.unsafeGetTensorImpl());
+  }
+}
 
 // ---- autocast --------------------------------------------------------------
 

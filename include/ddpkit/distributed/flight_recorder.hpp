@@ -303,6 +303,22 @@ class FlightRecorder {
   /// stderr, never thrown: a dump happens while something else is already
   /// going wrong). Returns the path written, or empty.
   std::filesystem::path dump(const std::string& reason) const noexcept {
+    // A fault this rank judged (dump_verdict) keeps its record: what
+    // follows (the collectives its peers' exits break) is a consequence.
+    if (verdict_written_) return dump_path();
+    return write_record(reason);
+  }
+
+  /// `dump` for a fault this rank judged itself (a lost peer, a desync):
+  /// later dumps leave this record in place.
+  std::filesystem::path dump_verdict(const std::string& reason) noexcept {
+    auto path = write_record(reason);
+    verdict_written_ = true;
+    return path;
+  }
+
+ private:
+  std::filesystem::path write_record(const std::string& reason) const noexcept {
     try {
       const auto path = dump_path();
       if (path.empty()) return {};
@@ -317,6 +333,7 @@ class FlightRecorder {
     }
   }
 
+ public:
   /// Ends collective `id` (or the one of `work`) as failed with `error` and
   /// writes the record: " (flight record: PATH)" for the error message, or
   /// "" when nothing was written.
@@ -439,6 +456,7 @@ class FlightRecorder {
   int world_;
   std::string host_;
   std::filesystem::path dump_dir_;
+  std::atomic<bool> verdict_written_{false};
 };
 
 }  // namespace ddpkit::dist

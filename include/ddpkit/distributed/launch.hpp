@@ -103,6 +103,7 @@ int launch(int argc, char** argv, int world_size, Fn&& fn,
                    "to %s; `ddpkit-doctor %s` says who and where\n",
                    recorder->dump_dir().c_str(), recorder->dump_dir().c_str());
     }
+    if (recorder) print_doctor_verdict(recorder->dump_dir());
     return kPeerFailureExitCode;
   } catch (const std::exception& e) {
     if (rank >= 0) {

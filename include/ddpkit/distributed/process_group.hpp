@@ -14,12 +14,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/parse.hpp"
+#include "ddpkit/distributed/doctor.hpp"
 #include "ddpkit/distributed/env.hpp"
 #include "ddpkit/distributed/failure_report.hpp"
 #include "ddpkit/distributed/flight_recorder.hpp"
@@ -293,9 +295,12 @@ class Group {
   // The liveness watch (distributed/liveness.hpp) over a second client of
   // the store, unless DDPKIT_LIVENESS=0, the recorder is off, or this
   // libtorch's stores cannot be cloned (then the collective timeout alone
-  // finds a lost rank). A lost rank: this rank writes its flight record,
-  // says who is lost and exits kPeerFailureExitCode at once (its main
-  // thread is blocked in the collective).
+  // finds a lost rank). A lost rank or a desync: this rank writes its
+  // flight record, says what it found, waits three heartbeats (so the other
+  // ranks reach their own judgment before this one's exit breaks their
+  // waits), prints ddpkit-doctor's verdict when it is the first to claim
+  // the records, and exits kPeerFailureExitCode (its main thread is
+  // blocked in the collective).
   void start_liveness_watch() {
     if (!recorder_ || !ddpkit::detail::env_switch("DDPKIT_LIVENESS", true)) {
       return;
@@ -313,11 +318,20 @@ class Group {
     auto recorder = recorder_;
     liveness_ = std::make_shared<LivenessWatch>(
         own, recorder_, topology_, rank, env_.world_size, settings,
-        [rank, recorder](const std::string& what, int code) {
-          const auto path = recorder->dump(what);
+        [rank, recorder, interval = settings.interval](const std::string& what,
+                                                       int code) {
+          const auto path = recorder->dump_verdict(what);
           std::fprintf(stderr, "error (rank %d): %s%s%s\n", rank, what.c_str(),
                        path.empty() ? "" : "; flight record: ", path.c_str());
           std::fflush(stderr);
+          if (code == kPeerFailureExitCode) {
+            // The other ranks judge from the same heartbeats up to three
+            // ticks later: ending now would break their waits first, and they
+            // would report a lost connection instead of the lost rank or
+            // the desync.
+            std::this_thread::sleep_for(3 * interval);
+          }
+          if (!path.empty()) print_doctor_verdict(path.parent_path());
           std::_Exit(code);
         });
   }

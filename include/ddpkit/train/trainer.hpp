@@ -128,8 +128,13 @@ class Trainer : private CheckpointWriter {
                 std::move(parallel_options), device_) {
     check_options(options_);
     check_precision();
-    optimizer_ =
-        make_optimizer(parallel::as_module(engine_.module()).parameters());
+    // ZeRO's engine builds the optimizer over this rank's shard.
+    if constexpr (requires { engine_.make_optimizer(make_optimizer); }) {
+      optimizer_ = engine_.make_optimizer(make_optimizer);
+    } else {
+      optimizer_ =
+          make_optimizer(parallel::as_module(engine_.module()).parameters());
+    }
     if (!optimizer_) throw UsageError("the optimizer factory returned nothing");
   }
 
@@ -222,6 +227,7 @@ class Trainer : private CheckpointWriter {
         }
       }
       const EpochMetrics m = end_epoch(s, val, eval_transform, lo);
+      if (options_.checkpoints()) prepare_checkpoint();
       emit(EpochEnd{s, m});
       const bool stopping = s.stop;
       const int sig = agree_at_epoch_end(agreement_group(), signals, s.stop);
@@ -481,7 +487,9 @@ class Trainer : private CheckpointWriter {
       if (is_main() && fs::is_directory(dir, ec)) {
         for (const auto& f : fs::directory_iterator(dir, ec)) {
           const auto name = f.path().filename().string();
-          if (name.rfind("rank-", 0) == 0) fs::remove(f.path(), ec);
+          if (name.rfind("rank-", 0) == 0 || name == "verdict.txt") {
+            fs::remove(f.path(), ec);
+          }
         }
       }
       group_.set_flight_dir(dir);
@@ -921,6 +929,7 @@ class Trainer : private CheckpointWriter {
     // Every rank takes part: the metrics so far over all ranks, and every
     // rank's generator, which only rank 0 writes.
     const FitState& s = *fit_;
+    prepare_checkpoint();
     dist::CollectiveTag tag("mid-epoch checkpoint");
     torch::Tensor all = epoch_sums(s).to(group_.device());
     if (multi()) dist::all_reduce(group_, all);
@@ -934,6 +943,14 @@ class Trainer : private CheckpointWriter {
     mid_ = {static_cast<std::int64_t>(s.step), all.cpu(), states};
     save_checkpoint(path, s.epoch);
     mid_ = {};
+  }
+
+  /// Every rank, before rank 0 writes a checkpoint: ZeRO gathers the
+  /// optimizer's shards on rank 0 (nothing for the other policies).
+  void prepare_checkpoint() {
+    if constexpr (requires { engine_.consolidate_optimizer(); }) {
+      engine_.consolidate_optimizer();
+    }
   }
 
   /// This rank's epoch so far: [loss sum, samples, task sums...].

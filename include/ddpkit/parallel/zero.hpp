@@ -1,0 +1,336 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// ZeRO stage 1 (Rajbhandari et al., SC'20): the optimizer state sharded
+// across ranks. Gradients are averaged as DDP averages them (the same
+// reducer, buckets and hooks); each rank then steps only the parameters it
+// owns, with the user's own libtorch optimizer built over them, and every
+// rank's updated parameters are broadcast from their owner. With Adam the
+// state is 8 bytes per parameter: a rank keeps about 1/world of it.
+//
+// Checkpoints hold the optimizer state of the whole model, as a plain
+// optimizer over every parameter would save it: `consolidate()` (on every
+// rank) gathers the shards on rank 0 before it writes, and `load` gives
+// each rank its part of a whole state. So a checkpoint resumes at any world
+// size, and between DDP and ZeRO in both directions.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/detail/compat.hpp"
+#include "ddpkit/detail/error.hpp"
+#include "ddpkit/distributed/collectives.hpp"
+#include "ddpkit/distributed/flight_recorder.hpp"
+#include "ddpkit/parallel/ddp.hpp"
+#include "ddpkit/parallel/module_utils.hpp"
+
+namespace ddpkit::parallel {
+
+/// Which rank owns each parameter: contiguous runs in parameter order, cut
+/// at parameter boundaries — a parameter goes to the rank whose share
+/// [r·total/world, (r+1)·total/world) of all elements holds its middle
+/// element — so every rank owns about total / world elements (one large
+/// parameter can tip that), the same on every rank.
+inline std::vector<int> partition_parameters(
+    const std::vector<torch::Tensor>& params, int world) {
+  int64_t total = 0;
+  for (const auto& p : params) total += p.numel();
+  std::vector<int> owner(params.size(), 0);
+  int64_t start = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const int64_t middle = start + params[i].numel() / 2;
+    if (total > 0) {
+      owner[i] = static_cast<int>(std::min<int64_t>(
+          world - 1, middle * static_cast<int64_t>(world) / total));
+    }
+    start += params[i].numel();
+  }
+  return owner;
+}
+
+/// Bytes of the tensors an optimizer keeps for its parameters, measured
+/// from its state (SGD's momentum, Adam's and AdamW's moments, RMSprop's
+/// averages, Adagrad's sums); the state of other optimizer types counts 0.
+inline uint64_t optimizer_state_bytes(const torch::optim::Optimizer& opt) {
+  namespace o = torch::optim;
+  uint64_t n = 0;
+  auto add = [&](const torch::Tensor& t) {
+    if (t.defined()) n += static_cast<uint64_t>(t.nbytes());
+  };
+  auto moments = [&](const auto* adam) {  // Adam's and AdamW's
+    add(adam->exp_avg());
+    add(adam->exp_avg_sq());
+    add(adam->max_exp_avg_sq());
+  };
+  for (const auto& entry : opt.state()) {
+    const o::OptimizerParamState* s = entry.second.get();
+    if (auto* sgd = dynamic_cast<const o::SGDParamState*>(s)) {
+      add(sgd->momentum_buffer());
+    } else if (auto* adam = dynamic_cast<const o::AdamParamState*>(s)) {
+      moments(adam);
+    } else if (auto* adamw = dynamic_cast<const o::AdamWParamState*>(s)) {
+      moments(adamw);
+    } else if (auto* rms = dynamic_cast<const o::RMSpropParamState*>(s)) {
+      add(rms->square_avg());
+      add(rms->momentum_buffer());
+      add(rms->grad_avg());
+    } else if (auto* ada = dynamic_cast<const o::AdagradParamState*>(s)) {
+      add(ada->sum());
+    }
+  }
+  return n;
+}
+
+/// ZeRO stage 1's optimizer: an optimizer over every parameter (so code
+/// that walks `param_groups()` — clipping, setting the learning rate —
+/// works as before) that keeps state only for this rank's shard. `make`
+/// is the optimizer factory a Trainer takes (one parameter group); it is
+/// called with this rank's parameters, and on rank 0 also with the others'
+/// while consolidating.
+///
+/// Example (what `ZeRO1`'s engine does for the Trainer):
+/// ```
+/// ShardedOptimizer opt(model->parameters(), [](std::vector<torch::Tensor> p) {
+///   return std::make_unique<torch::optim::AdamW>(p, 1e-3);
+/// }, group);
+/// loss.backward();   // DDP's reducer averaged the gradients
+/// opt.step();        // this rank's shard, then every shard broadcast
+/// opt.consolidate(); // every rank, before rank 0 saves it
+/// ```
+class ShardedOptimizer : public torch::optim::Optimizer {
+ public:
+  using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(
+      std::vector<torch::Tensor>)>;
+
+  ShardedOptimizer(std::vector<torch::Tensor> params, Factory make,
+                   dist::Group group)
+      : ShardedOptimizer(split(params, make, group), params, make, group) {}
+
+  /// This rank's shard (after the learning rate of this optimizer's first
+  /// group is copied to it), then the updated parameters from every rank.
+  torch::Tensor step(LossClosure closure = nullptr) override {
+    if (closure) {
+      throw UsageError(
+          "ShardedOptimizer: a step with a closure is not supported (each "
+          "rank steps only its own parameters)");
+    }
+    full_.reset();  // a consolidated state is stale after a step
+    const double lr = param_groups_.at(0).options().get_lr();
+    for (auto& g : inner_->param_groups()) g.options().set_lr(lr);
+    {
+      torch::NoGradGuard no_grad;
+      inner_->step();
+    }
+    gather_parameters();
+    return {};
+  }
+
+  /// Every rank: gathers the shards' state on rank `to`, which then holds
+  /// the state of a plain optimizer over every parameter until the next
+  /// step (for `save`). The other ranks hold one shard at a time.
+  void consolidate(int to = 0) {
+    dist::CollectiveTag tag("zero consolidate");
+    const std::string mine = to_bytes(*inner_);
+    std::unique_ptr<torch::optim::Optimizer> full;
+    if (group_.rank() == to) full = fresh(params_);
+    for (int r = 0; r < group_.size(); ++r) {
+      const std::string bytes = dist::broadcast_string(
+          group_, r == group_.rank() ? mine : std::string(), r);
+      if (!full) continue;
+      std::unique_ptr<torch::optim::Optimizer> shard;
+      torch::optim::Optimizer* from = inner_.get();
+      if (r != group_.rank()) {
+        shard = fresh(owned_[static_cast<std::size_t>(r)]);
+        from_bytes(*shard, bytes);
+        from = shard.get();
+      }
+      for (const auto& p : owned_[static_cast<std::size_t>(r)]) {
+        const auto key = ddpkit::compat::optimizer_state_key(p);
+        auto it = from->state().find(key);
+        if (it != from->state().end()) full->state()[key] = it->second->clone();
+      }
+    }
+    full_ = std::move(full);
+  }
+
+  /// The whole model's optimizer state: on the rank `consolidate` gathered
+  /// it on, before the next step.
+  void save(torch::serialize::OutputArchive& archive) const override {
+    if (!full_) {
+      throw UsageError(
+          "ShardedOptimizer::save: call consolidate() on every rank first "
+          "(each rank holds only its shard of the state)");
+    }
+    full_->save(archive);
+  }
+
+  /// Every rank: reads a whole state (saved by `save`, or by a plain
+  /// optimizer of the same type over the same parameters) and keeps its
+  /// shard of it.
+  void load(torch::serialize::InputArchive& archive) override {
+    auto full = fresh(params_);
+    full->load(archive);
+    inner_->state().clear();
+    for (const auto& p : owned_[static_cast<std::size_t>(group_.rank())]) {
+      const auto key = ddpkit::compat::optimizer_state_key(p);
+      auto it = full->state().find(key);
+      if (it != full->state().end()) {
+        inner_->state()[key] = it->second->clone();
+      }
+    }
+    full_.reset();
+  }
+
+  /// Bytes of optimizer state this rank keeps (measured, see
+  /// optimizer_state_bytes).
+  uint64_t state_bytes() const {
+    return optimizer_state_bytes(*inner_);
+  }
+  /// The parameters rank `r` steps.
+  const std::vector<torch::Tensor>& owned(int r) const {
+    return owned_.at(static_cast<std::size_t>(r));
+  }
+  const torch::optim::Optimizer& shard_optimizer() const {
+    return *inner_;
+  }
+
+ private:
+  struct Split {
+    std::vector<std::vector<torch::Tensor>> owned;
+    std::unique_ptr<torch::optim::Optimizer> inner;
+  };
+
+  static Split split(const std::vector<torch::Tensor>& params,
+                     const Factory& make, const dist::Group& group) {
+    Split s;
+    s.owned.resize(static_cast<std::size_t>(group.size()));
+    const auto owner = partition_parameters(params, group.size());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      s.owned[static_cast<std::size_t>(owner[i])].push_back(params[i]);
+    }
+    s.inner = checked(make, s.owned[static_cast<std::size_t>(group.rank())]);
+    return s;
+  }
+
+  static std::unique_ptr<torch::optim::Optimizer> checked(
+      const Factory& make, std::vector<torch::Tensor> params) {
+    auto opt = make(std::move(params));
+    if (!opt) throw UsageError("the optimizer factory returned nothing");
+    if (opt->param_groups().size() != 1) {
+      throw UsageError(ddpkit::detail::cat(
+          "ZeRO: the optimizer factory made ", opt->param_groups().size(),
+          " parameter groups; a sharded optimizer takes one"));
+    }
+    return opt;
+  }
+
+  // (The arguments of the delegating call above are evaluated in no set
+  // order: these are copies, so `split` never sees a moved-from factory.)
+  ShardedOptimizer(Split s, const std::vector<torch::Tensor>& params,
+                   const Factory& make, const dist::Group& group)
+      : torch::optim::Optimizer(
+            std::vector<torch::optim::OptimizerParamGroup>{
+                torch::optim::OptimizerParamGroup(params)},
+            s.inner->param_groups().at(0).options().clone()),
+        owned_(std::move(s.owned)),
+        inner_(std::move(s.inner)),
+        params_(params),
+        make_(make),
+        group_(group) {}
+
+  // A new optimizer of the user's type over `params`, at this one's rate.
+  std::unique_ptr<torch::optim::Optimizer> fresh(
+      std::vector<torch::Tensor> params) const {
+    auto opt = checked(make_, std::move(params));
+    const double lr = param_groups_.at(0).options().get_lr();
+    for (auto& g : opt->param_groups()) g.options().set_lr(lr);
+    return opt;
+  }
+
+  void gather_parameters() {
+    if (group_.size() == 1) return;
+    dist::CollectiveTag tag("zero parameters");
+    for (int r = 0; r < group_.size(); ++r) {
+      broadcast_coalesced(group_, owned_[static_cast<std::size_t>(r)], r);
+    }
+  }
+
+  static std::string to_bytes(const torch::optim::Optimizer& opt) {
+    torch::serialize::OutputArchive archive;
+    opt.save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    return out.str();
+  }
+  static void from_bytes(torch::optim::Optimizer& opt,
+                         const std::string& bytes) {
+    torch::serialize::InputArchive archive;
+    std::istringstream in(bytes);
+    archive.load_from(in);
+    opt.load(archive);
+  }
+
+  std::vector<std::vector<torch::Tensor>> owned_;
+  std::unique_ptr<torch::optim::Optimizer> inner_;
+  std::vector<torch::Tensor> params_;
+  Factory make_;
+  dist::Group group_;
+  std::unique_ptr<torch::optim::Optimizer> full_;  // after consolidate()
+};
+
+/// ZeRO stage 1 as a parallel policy: DDP's engine (same reducer, hooks,
+/// SyncBN, accumulation, join) whose optimizer the Trainer makes through
+/// `make_optimizer`, sharded across the ranks (see ShardedOptimizer).
+/// Usable wherever DDP is: `Trainer<Model, ZeRO1, DistributedSampling,
+/// SyncBN>`.
+template <comm_hook Comm = AllReduceMean>
+struct BasicZeRO1 {
+  using parallel_concept = parallel_tag;
+  static constexpr bool is_multi_process = true;
+  static constexpr bool is_multi_replica = false;
+  static constexpr const char* name = "zero1";
+  using options_type = DDPOptions;
+  using comm_type = Comm;
+
+  template <class Model>
+  class engine : public BasicDDP<Comm>::template engine<Model> {
+    using base = typename BasicDDP<Comm>::template engine<Model>;
+
+   public:
+    using base::base;
+
+    /// The Trainer's optimizer: `make` builds the user's optimizer over
+    /// this rank's shard of the parameters.
+    template <class Factory>
+    std::unique_ptr<torch::optim::Optimizer> make_optimizer(Factory make) {
+      auto opt = std::make_unique<ShardedOptimizer>(
+          as_module(this->module()).parameters(),
+          ShardedOptimizer::Factory(std::move(make)), this->group());
+      sharded_ = opt.get();
+      return opt;
+    }
+    /// Every rank, before rank 0 writes a checkpoint.
+    void consolidate_optimizer() {
+      if (sharded_) sharded_->consolidate(0);
+    }
+    /// Bytes of optimizer state this rank keeps.
+    uint64_t optimizer_state_bytes() const {
+      return sharded_ ? sharded_->state_bytes() : 0;
+    }
+
+   private:
+    ShardedOptimizer* sharded_ = nullptr;
+  };
+};
+
+/// ZeRO stage 1 with plain all-reduce of float32 gradients.
+using ZeRO1 = BasicZeRO1<AllReduceMean>;
+
+}  // namespace ddpkit::parallel
