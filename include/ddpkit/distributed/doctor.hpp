@@ -4,12 +4,14 @@
 // ends on a lost peer, a desync or a failed collective, the first rank to
 // claim the flight-record folder waits briefly for the other ranks'
 // records, runs the doctor on them, keeps its whole report in
-// DIR/verdict.txt and prints the verdict's first line. Nothing happens
+// DIR/verdict.txt and prints the verdict's first line; the other ranks
+// wait for that report before they exit. Nothing happens
 // when the doctor or Python cannot be found.
 #pragma once
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -68,22 +70,35 @@ inline std::size_t count_records(const std::filesystem::path& dir) {
 }  // namespace detail
 
 /// Runs ddpkit-doctor on the flight records in `dir` once per folder and
-/// returns its first line ("" when another rank already did, or when the
-/// doctor or Python is missing). The first rank to create DIR/verdict.txt
-/// does it: it waits until no new record has appeared for a second (at
-/// most `settle`), then writes the doctor's whole report there.
+/// returns its first line. The first rank to create DIR/verdict.claim
+/// (O_EXCL) does it: it waits until no new record has appeared for a
+/// second (at most `settle`), runs the doctor and renames its report to
+/// DIR/verdict.txt. Another rank waits up to `settle` + 5 s for that file
+/// and returns "" (so the job's first exit, which a launcher answers by
+/// stopping the other ranks, does not cut the doctor short). "" too when
+/// the doctor or Python is missing, or the doctor fails.
 inline std::string doctor_verdict(
     const std::filesystem::path& dir,
     std::chrono::milliseconds settle = std::chrono::seconds(3)) {
+  namespace fs = std::filesystem;
+  using Clock = std::chrono::steady_clock;
   if (dir.empty() || detail::count_records(dir) == 0) return {};
   const auto doctor = find_doctor();
   if (doctor.empty()) return {};
   const auto verdict = dir / "verdict.txt";
-  const int fd = ::open(verdict.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
-  if (fd < 0) return {};  // another rank claimed it (or no folder)
-  ::close(fd);
-  using Clock = std::chrono::steady_clock;
+  const auto claim = dir / "verdict.claim";
   const auto start = Clock::now();
+  const int fd = ::open(claim.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  if (fd < 0) {
+    // Another rank runs it: wait for its report.
+    std::error_code ec;
+    while (!fs::exists(verdict, ec) &&
+           Clock::now() - start < settle + std::chrono::seconds(5)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return {};
+  }
+  ::close(fd);
   auto changed = start;
   std::size_t seen = detail::count_records(dir);
   while (Clock::now() - start < settle &&
@@ -95,17 +110,27 @@ inline std::string doctor_verdict(
       changed = Clock::now();
     }
   }
+  const auto tmp = dir / "verdict.txt.tmp";
   const std::string cmd = "python3 " + detail::shell_quote(doctor.string()) +
                           " " + detail::shell_quote(dir.string()) + " > " +
-                          detail::shell_quote(verdict.string()) +
+                          detail::shell_quote(tmp.string()) +
                           " 2>&1 < /dev/null";
-  if (std::system(cmd.c_str()) == -1) return {};
-  std::FILE* in = std::fopen(verdict.c_str(), "r");
+  const int status = std::system(cmd.c_str());
+  // The doctor exits 0 (no fault) or 1 (a fault); anything else (no
+  // Python: 127) is not a verdict.
+  if (status == -1 || !WIFEXITED(status) || WEXITSTATUS(status) > 1) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    return {};
+  }
+  std::FILE* in = std::fopen(tmp.c_str(), "r");
   if (in == nullptr) return {};
   char line[1024] = {0};
   const bool got = std::fgets(line, sizeof line, in) != nullptr;
   std::fclose(in);
-  if (!got) return {};
+  std::error_code ec;
+  fs::rename(tmp, verdict, ec);
+  if (!got || ec) return {};
   std::string first = line;
   while (!first.empty() && (first.back() == '\n' || first.back() == '\r')) {
     first.pop_back();

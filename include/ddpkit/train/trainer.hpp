@@ -487,7 +487,7 @@ class Trainer : private CheckpointWriter {
       if (is_main() && fs::is_directory(dir, ec)) {
         for (const auto& f : fs::directory_iterator(dir, ec)) {
           const auto name = f.path().filename().string();
-          if (name.rfind("rank-", 0) == 0 || name == "verdict.txt") {
+          if (name.rfind("rank-", 0) == 0 || name.rfind("verdict.", 0) == 0) {
             fs::remove(f.path(), ec);
           }
         }
