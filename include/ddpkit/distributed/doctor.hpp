@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -123,19 +124,11 @@ inline std::string doctor_verdict(
     fs::remove(tmp, ec);
     return {};
   }
-  std::FILE* in = std::fopen(tmp.c_str(), "r");
-  if (in == nullptr) return {};
-  char line[1024] = {0};
-  const bool got = std::fgets(line, sizeof line, in) != nullptr;
-  std::fclose(in);
+  std::string first;
+  std::getline(std::ifstream(tmp), first);
   std::error_code ec;
   fs::rename(tmp, verdict, ec);
-  if (!got || ec) return {};
-  std::string first = line;
-  while (!first.empty() && (first.back() == '\n' || first.back() == '\r')) {
-    first.pop_back();
-  }
-  return first;
+  return ec ? std::string() : first;
 }
 
 /// Prints `ddpkit-doctor: <verdict> (all of it: DIR/verdict.txt)` on
