@@ -7,7 +7,7 @@
 //   Trainer<Model, Parallel, Sampler, BN, LRScaling, Evaluation, Task>
 //
 //   Parallel    SingleDevice, DataParallel, DDP, DDPFp16, DDPBf16,
-//               DDPPowerSGD, DDPRuntimeComm, ZeRO1              [parallel/]
+//               DDPPowerSGD, DDPRuntimeComm, ZeRO1, ZeRO2       [parallel/]
 //   Sampler     SequentialSampling, RandomSampling,
 //               DistributedSampling                             [data/]
 //   BN          PlainBN, SyncBN                                 [nn/]
@@ -47,6 +47,7 @@ using parallel::DDPPowerSGD;
 using parallel::DDPRuntimeComm;
 using parallel::SingleDevice;
 using parallel::ZeRO1;
+using parallel::ZeRO2;
 using train::Classification;
 using train::LanguageModel;
 using train::LinearScaling;
@@ -87,6 +88,12 @@ template <class Model, class BN = PlainBN, class Scaling = NoScaling,
           class Reduction = RankZeroEval, class Task = Classification>
 using ZeRO1Trainer =
     Trainer<Model, ZeRO1, DistributedSampling, BN, Scaling, Reduction, Task>;
+/// DDP with the optimizer state and the gradients sharded across ranks
+/// (ZeRO stage 2).
+template <class Model, class BN = PlainBN, class Scaling = NoScaling,
+          class Reduction = RankZeroEval, class Task = Classification>
+using ZeRO2Trainer =
+    Trainer<Model, ZeRO2, DistributedSampling, BN, Scaling, Reduction, Task>;
 template <class Model, class Reduction = RankZeroEval,
           class Task = Classification>
 using SingleDeviceTrainer = Trainer<Model, SingleDevice, RandomSampling,

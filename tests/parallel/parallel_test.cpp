@@ -1408,17 +1408,20 @@ std::unique_ptr<torch::optim::Optimizer> zero_optimizer(
 }  // namespace
 
 /// 50 steps of SmallNet at world w, DDP (`T_MODE=ddp`, the user's optimizer
-/// over every parameter) or ZeRO-1 (`zero`): `T_OPT` sgd (momentum, weight
+/// over every parameter), ZeRO-1 (`zero`) or ZeRO-2 (`zero2`, clipping
+/// through the engine's sharded norm): `T_OPT` sgd (momentum, weight
 /// decay) or adamw, `T_ACCUM=1` two micro-batches per step, `T_CLIP=1`
 /// global norm clipped to 0.5. Half way every rank consolidates and rank 0
 /// saves the net and the whole optimizer state (`half-net.pt`,
 /// `half-opt.pt`); `T_LOAD=DIR` starts from DIR's instead, at that step.
-/// Writes `net{r}.pt` and the optimizer state bytes it kept (`bytes{r}`).
+/// Writes `net{r}.pt`, the optimizer state bytes it kept (`bytes{r}`), and
+/// the gradient bytes it holds after the last step next to the bytes of
+/// the parameters it steps (`grads{r}`: "held own", ZeRO-2 and DDP).
 DDPKIT_WORKER(zero_train) {
   auto g = test::worker_group();
   const int r = g.rank(), w = g.size();
   const std::string kind = env_or("T_OPT", "sgd");
-  const bool zero = env_or("T_MODE", "zero") == "zero";
+  const std::string mode = env_or("T_MODE", "zero");
   const bool accum = env_or("T_ACCUM", "0") == "1";
   const bool clip = env_or("T_CLIP", "0") == "1";
   const std::string load = env_or("T_LOAD", "");
@@ -1467,36 +1470,122 @@ DDPKIT_WORKER(zero_train) {
       } else {
         eng.forward_backward(xr, yr, test::ce_loss);
       }
-      if (clip) torch::nn::utils::clip_grad_norm_(net->parameters(), 0.5);
+      if (clip) {
+        if constexpr (requires { eng.clip_grad_norm(0.5); }) {
+          eng.clip_grad_norm(0.5);
+        } else {
+          torch::nn::utils::clip_grad_norm_(net->parameters(), 0.5);
+        }
+      }
       opt.step();
     }
   };
   auto factory = [&](std::vector<torch::Tensor> p) {
     return zero_optimizer(kind, std::move(p));
   };
-  uint64_t bytes = 0;
-  if (zero) {
+  uint64_t bytes = 0, held = 0, own = 0;
+  if (mode == "zero") {
     parallel::ZeRO1::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
     auto opt = eng.make_optimizer(factory);
     run(eng, *opt, [&] { eng.consolidate_optimizer(); });
     bytes = eng.optimizer_state_bytes();
+  } else if (mode == "zero2") {
+    parallel::ZeRO2::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
+    auto opt = eng.make_optimizer(factory);
+    run(eng, *opt, [&] { eng.consolidate_optimizer(); });
+    bytes = eng.optimizer_state_bytes();
+    if (eng.reducer()) held = eng.reducer()->gradient_bytes();
+    for (const auto& p :
+         dynamic_cast<parallel::ShardedOptimizer&>(*opt).owned(r)) {
+      own += static_cast<uint64_t>(p.nbytes());
+    }
   } else {
     parallel::DDP::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
     auto opt = factory(net->parameters());
     run(eng, *opt, [] {});
     bytes = parallel::optimizer_state_bytes(*opt);
+    if (eng.reducer()) held = eng.reducer()->gradient_bytes();
+    for (const auto& p : net->parameters()) own += p.nbytes();
   }
   torch::save(net, (dir / ("net" + std::to_string(r) + ".pt")).string());
   std::ofstream(dir / ("bytes" + std::to_string(r))) << bytes;
+  std::ofstream(dir / ("grads" + std::to_string(r))) << held << " " << own;
+  return 0;
+}
+
+namespace {
+// Eight equal layers: at world 4 each rank owns two, and with buckets
+// capped at one layer each bucket is one layer.
+struct ChainImpl : torch::nn::Module {
+  ChainImpl() {
+    for (int i = 0; i < 8; ++i) {
+      layers.push_back(
+          register_module("l" + std::to_string(i), torch::nn::Linear(32, 32)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::tanh(l(x));
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Chain);
+constexpr int64_t kLayerBytes = (32 * 32 + 32) * 4;
+}  // namespace
+
+/// Five SGD steps of Chain at world w with one bucket per layer, DDP
+/// (`T_MODE=ddp`) or ZeRO-2 (`zero2`, at most `T_INFLIGHT` others' buckets
+/// held): writes `net{r}.pt` and the most gradient bytes held (`peak{r}`).
+DDPKIT_WORKER(zero2_peak) {
+  auto g = test::worker_group();
+  const int r = g.rank();
+  torch::manual_seed(7 + r);
+  Chain net;
+  auto opts = parallel::DDPOptions().reducer(
+      parallel::ReducerOptions()
+          .bucket_cap_bytes(kLayerBytes)
+          .first_bucket_cap_bytes(kLayerBytes)
+          .last_bucket_cap_bytes(kLayerBytes)
+          .unowned_buckets_in_flight(std::stoi(env_or("T_INFLIGHT", "2"))));
+  auto sgd = [](std::vector<torch::Tensor> p) {
+    return std::make_unique<torch::optim::SGD>(
+        p, torch::optim::SGDOptions(0.1).momentum(0.9));
+  };
+  auto run = [&](auto& eng, torch::optim::Optimizer& opt) {
+    for (int s = 0; s < 5; ++s) {
+      torch::manual_seed(1000 * s + r);
+      auto x = torch::randn({4, 32});
+      eng.zero_grad();
+      eng.forward_backward(x, x,
+                           [](const torch::Tensor& o, const torch::Tensor& t) {
+                             return (o - t.flip(1)).pow(2).mean();
+                           });
+      opt.step();
+    }
+    return eng.peak_gradient_bytes();
+  };
+  uint64_t peak = 0;
+  if (env_or("T_MODE", "zero2") == "zero2") {
+    parallel::ZeRO2::engine<Chain> eng(net, g, opts, torch::kCPU);
+    auto opt = eng.make_optimizer(sgd);
+    peak = run(eng, *opt);
+  } else {
+    parallel::DDP::engine<Chain> eng(net, g, opts, torch::kCPU);
+    auto opt = sgd(net->parameters());
+    peak = run(eng, *opt);
+  }
+  torch::save(
+      net, (test::worker_dir() / ("net" + std::to_string(r) + ".pt")).string());
+  std::ofstream(test::worker_dir() / ("peak" + std::to_string(r))) << peak;
   return 0;
 }
 
 TEST_SUITE("parallel") {
   TEST_CASE(
-      "ZeRO-1 equals DDP (SGD with momentum and weight decay, AdamW; with "
-      "accumulation and clipping; world 2 and 4), keeps about 1/world of "
-      "the optimizer state per rank, and its checkpoints resume at another "
-      "world size") {
+      "ZeRO-1 and ZeRO-2 equal DDP (SGD with momentum and weight decay, "
+      "AdamW; with accumulation and clipping; world 2 and 4), keep about "
+      "1/world of the optimizer state (and ZeRO-2 of the gradients) per "
+      "rank, and their checkpoints resume at another world size") {
     struct Case {
       int world;
       const char* opt;
@@ -1507,13 +1596,20 @@ TEST_SUITE("parallel") {
       std::ifstream(d / ("bytes" + std::to_string(r))) >> n;
       return n;
     };
+    // "held own": gradient bytes held after the last step, and bytes of
+    // the parameters this rank steps.
+    auto read_grads = [](const TempDir& d, int r) {
+      std::pair<uint64_t, uint64_t> v{0, 0};
+      std::ifstream(d / ("grads" + std::to_string(r))) >> v.first >> v.second;
+      return v;
+    };
     for (const Case& c :
          {Case{2, "sgd", false, false}, Case{2, "adamw", true, true},
           Case{4, "adamw", false, false}}) {
       CAPTURE(c.world);
       CAPTURE(c.opt);
       CAPTURE(c.accum);
-      TempDir ddp, zero;
+      TempDir ddp, zero, zero2;
       std::vector<std::pair<std::string, std::string>> env{
           {"T_OPT", c.opt},
           {"T_ACCUM", c.accum ? "1" : "0"},
@@ -1526,52 +1622,126 @@ TEST_SUITE("parallel") {
       REQUIRE(run_workers("zero_train", c.world, ddp.str(), with("ddp")).ok());
       REQUIRE(
           run_workers("zero_train", c.world, zero.str(), with("zero")).ok());
+      REQUIRE(
+          run_workers("zero_train", c.world, zero2.str(), with("zero2")).ok());
       auto want = load_net(ddp / "net0.pt", false);
-      uint64_t total = 0;
       const uint64_t whole = read_bytes(ddp, 0);
+      const uint64_t whole_grads = read_grads(ddp, 0).first;
       // The largest parameter's state (fc1's or conv2's weight), the most
       // one rank can hold above an even share.
       uint64_t largest = 0;
       for (const auto& p : want->parameters()) {
         largest = std::max<uint64_t>(largest, p.nbytes());
       }
-      largest *= std::string(c.opt) == "adamw" ? 2 : 1;
-      for (int r = 0; r < c.world; ++r) {
-        CAPTURE(r);
-        auto got = load_net(zero / ("net" + std::to_string(r) + ".pt"), false);
-        const double d = test::max_state_diff(*got, *want);
-        MESSAGE("ZeRO-1 ", c.opt, c.accum ? " accumulate+clip" : "", " world ",
-                c.world, " rank ", r, ": max relative difference from DDP ", d,
-                "; state ", read_bytes(zero, r), " of ", whole, " bytes");
-        CHECK(d <= 1e-6);
-        const uint64_t mine = read_bytes(zero, r);
-        CHECK(mine <= whole / static_cast<uint64_t>(c.world) + largest);
-        total += mine;
+      const uint64_t largest_state =
+          largest * (std::string(c.opt) == "adamw" ? 2 : 1);
+      for (const auto* run : {&zero, &zero2}) {
+        const char* name = run == &zero ? "ZeRO-1" : "ZeRO-2";
+        CAPTURE(name);
+        uint64_t total = 0, total_grads = 0;
+        for (int r = 0; r < c.world; ++r) {
+          CAPTURE(r);
+          auto got =
+              load_net(*run / ("net" + std::to_string(r) + ".pt"), false);
+          const double d = test::max_state_diff(*got, *want);
+          const auto [held, own] = read_grads(*run, r);
+          MESSAGE(std::string(name), " ", std::string(c.opt),
+                  c.accum ? " accumulate+clip" : "", " world ", c.world,
+                  " rank ", r, ": max relative difference from DDP ", d,
+                  "; state ", read_bytes(*run, r), " of ", whole,
+                  " bytes; gradients held ", held, " of ", whole_grads,
+                  " bytes");
+          CHECK(d <= 1e-6);
+          const uint64_t mine = read_bytes(*run, r);
+          CHECK(mine <= whole / static_cast<uint64_t>(c.world) + largest_state);
+          total += mine;
+          if (run == &zero2) {
+            // Between steps a rank holds exactly the gradients of the
+            // parameters it steps.
+            CHECK(held == own);
+            total_grads += held;
+          }
+        }
+        CHECK(whole > 0);
+        CHECK(total == whole);  // every parameter's state on exactly one rank
+        if (run == &zero2) CHECK(total_grads == whole_grads);
       }
-      CHECK(whole > 0);
-      CHECK(total == whole);  // every parameter's state on exactly one rank
 
-      if (c.world != 2 || c.accum) continue;
-      // The state saved half way at world 2 (consolidated on rank 0: a
-      // plain optimizer's) resumes ZeRO at world 4 as it resumes DDP there.
-      TempDir ddp4, zero4;
-      auto from = [&](const char* mode) {
-        auto e = with(mode);
-        e.emplace_back("T_LOAD", zero.str());
-        return e;
-      };
-      REQUIRE(run_workers("zero_train", 4, ddp4.str(), from("ddp")).ok());
-      REQUIRE(run_workers("zero_train", 4, zero4.str(), from("zero")).ok());
-      auto want4 = load_net(ddp4 / "net0.pt", false);
-      for (int r = 0; r < 4; ++r) {
-        auto got = load_net(zero4 / ("net" + std::to_string(r) + ".pt"), false);
-        const double d = test::max_state_diff(*got, *want4);
-        MESSAGE("resumed at world 4 from world 2: rank ", r, " ", d);
-        CHECK(d <= 1e-6);
+      if (c.accum) continue;
+      // The state saved half way (consolidated on rank 0: a plain
+      // optimizer's) resumes ZeRO-1 and ZeRO-2 at another world size (4
+      // from 2; 2 and 1 from 4) as it resumes DDP there.
+      std::vector<int> targets =
+          c.world == 2 ? std::vector<int>{4} : std::vector<int>{2, 1};
+      for (int to : targets) {
+        CAPTURE(to);
+        TempDir ddp_to, zero_to, zero2_to;
+        auto from = [&](const char* mode, const TempDir& src) {
+          auto e = with(mode);
+          e.emplace_back("T_LOAD", src.str());
+          return e;
+        };
+        REQUIRE(run_workers("zero_train", to, ddp_to.str(), from("ddp", zero))
+                    .ok());
+        REQUIRE(run_workers("zero_train", to, zero_to.str(), from("zero", zero))
+                    .ok());
+        REQUIRE(
+            run_workers("zero_train", to, zero2_to.str(), from("zero2", zero2))
+                .ok());
+        auto want_to = load_net(ddp_to / "net0.pt", false);
+        for (const auto* run : {&zero_to, &zero2_to}) {
+          for (int r = 0; r < to; ++r) {
+            auto got =
+                load_net(*run / ("net" + std::to_string(r) + ".pt"), false);
+            const double d = test::max_state_diff(*got, *want_to);
+            const char* name = run == &zero_to ? "ZeRO-1" : "ZeRO-2";
+            MESSAGE(std::string(name), " resumed at world ", to, " from world ",
+                    c.world, ": rank ", r, " ", d);
+            CHECK(d <= 1e-6);
+          }
+        }
+        // And the resumed runs moved on from the loaded state: not the
+        // uninterrupted run's result.
+        CHECK(test::max_state_diff(*want_to, *want) > 1e-3);
       }
-      // And the resumed runs moved on from the loaded state: not DDP's
-      // world-2 result.
-      CHECK(test::max_state_diff(*want4, *want) > 1e-3);
+    }
+  }
+
+  TEST_CASE(
+      "ZeRO-2 holds at most its own gradients and the buckets in flight "
+      "(world 4, a bucket per layer; 1 and 2 buckets of others' at once) "
+      "and equals DDP") {
+    auto peak_of = [](const TempDir& d, int r) {
+      uint64_t n = 0;
+      std::ifstream(d / ("peak" + std::to_string(r))) >> n;
+      return n;
+    };
+    TempDir ddp;
+    REQUIRE(run_workers("zero2_peak", 4, ddp.str(), {{"T_MODE", "ddp"}}).ok());
+    Chain want;
+    torch::load(want, (ddp / "net0.pt").string());
+    const uint64_t whole = peak_of(ddp, 0);
+    CHECK(whole == 8 * kLayerBytes);
+    for (int inflight : {1, 2}) {
+      CAPTURE(inflight);
+      TempDir z;
+      REQUIRE(run_workers("zero2_peak", 4, z.str(),
+                          {{"T_MODE", "zero2"},
+                           {"T_INFLIGHT", std::to_string(inflight)}})
+                  .ok());
+      for (int r = 0; r < 4; ++r) {
+        CAPTURE(r);
+        Chain got;
+        torch::load(got, (z / ("net" + std::to_string(r) + ".pt")).string());
+        const double d = test::max_state_diff(*got, *want);
+        const uint64_t peak = peak_of(z, r);
+        MESSAGE("ZeRO-2 world 4, ", inflight, " in flight, rank ", r,
+                ": peak gradient bytes ", peak, " (DDP ", whole,
+                "); difference from DDP ", d);
+        CHECK(d <= 1e-6);
+        // Two layers of its own, and `inflight` others' buckets.
+        CHECK(peak <= (2 + static_cast<uint64_t>(inflight)) * kLayerBytes);
+      }
     }
   }
 

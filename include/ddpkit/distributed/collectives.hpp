@@ -98,6 +98,27 @@ inline compat::WorkPtr all_reduce_mean_async(const Group& g, torch::Tensor& t) {
   return all_reduce_async(g, t);
 }
 
+/// Starts an in-place reduce that leaves the mean over ranks in `t` on rank
+/// `root` (ZeRO-2's gradient shards); what the other ranks' `t` holds after
+/// it is unspecified. Over gloo or NCCL: a reduce (`t` divided first, then
+/// summed on `root`), so each rank sends its tensor once and only `root`
+/// receives. Among ranks on one host, through the shared-memory channel:
+/// its all-reduce (every rank reads the others' slices in memory; nothing
+/// crosses a link, and `root` gets the same bits a DDP all-reduce gives).
+inline compat::WorkPtr reduce_mean_async(const Group& g, torch::Tensor& t,
+                                         int root) {
+  if (g.shm() && ShmChannel::eligible(t) && t.is_floating_point()) {
+    return all_reduce_mean_async(g, t);
+  }
+  t.div_(g.size());
+  const auto id = g.begin_collective("reduce", &t, t.nbytes());
+  std::vector<torch::Tensor> ts{t};
+  c10d::ReduceOptions opts;
+  opts.reduceOp = compat::reduce_sum();
+  opts.rootRank = root;
+  return g.started(id, g.backend()->reduce(ts, opts));
+}
+
 /// In-place all-reduce of `t` over every rank.
 inline torch::Tensor& all_reduce(const Group& g, torch::Tensor& t,
                                  Reduce op = Reduce::sum) {

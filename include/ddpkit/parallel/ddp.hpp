@@ -206,6 +206,17 @@ struct BasicDDP {
     uint64_t last_step_bytes() const {
       return reducer_ ? reducer_->last_step_bytes() : 0;
     }
+    /// The most bytes of gradients this rank has held at once (measured by
+    /// the reducer: its bucket buffers, and gradients outside them; in a
+    /// world of one, the gradients held now).
+    uint64_t peak_gradient_bytes() {
+      if (reducer_) return reducer_->peak_gradient_bytes();
+      uint64_t n = 0;
+      for (const auto& p : as_module(model_).parameters()) {
+        if (p.grad().defined()) n += static_cast<uint64_t>(p.grad().nbytes());
+      }
+      return n;
+    }
 
     /// Uneven inputs, as PyTorch's `Join`: every rank calls this once per
     /// round, saying whether it has a batch, and stops when it returns

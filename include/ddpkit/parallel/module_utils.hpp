@@ -3,6 +3,8 @@
 // consistent flat views of parameters/buffers, and coalesced broadcast.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,8 +21,6 @@ torch::nn::Module& as_module(Model& model) {
   return *model;
 }
 
-/// Broadcasts `tensors` from `src`, coalesced into one flat buffer per dtype
-/// (one collective instead of hundreds).
 /// Clears the gradients of `m`'s parameters: set to None (PyTorch 2.x's
 /// `zero_grad()` default, the same on every libtorch version), so the next
 /// backward writes them fresh instead of adding to zeros.
@@ -30,9 +30,12 @@ inline void clear_grads(torch::nn::Module& m) {
   }
 }
 
+/// Broadcasts `tensors` from `src`, coalesced into one flat buffer per dtype
+/// (one collective instead of hundreds).
+/// `flat_bytes`, if given, is raised to the largest buffer's size.
 inline void broadcast_coalesced(const dist::Group& g,
-                                std::vector<torch::Tensor> tensors,
-                                int src = 0) {
+                                std::vector<torch::Tensor> tensors, int src = 0,
+                                uint64_t* flat_bytes = nullptr) {
   if (g.size() == 1 || tensors.empty()) return;
   torch::NoGradGuard no_grad;
   std::vector<c10::ScalarType> kinds;
@@ -49,6 +52,9 @@ inline void broadcast_coalesced(const dist::Group& g,
     for (auto& t : group)
       flat_parts.push_back(t.detach().reshape({-1}).to(g.device()));
     auto flat = torch::cat(flat_parts);
+    if (flat_bytes) {
+      *flat_bytes = std::max(*flat_bytes, static_cast<uint64_t>(flat.nbytes()));
+    }
     dist::broadcast(g, flat, src);
     int64_t off = 0;
     for (auto& t : group) {

@@ -76,6 +76,22 @@ struct ReducerOptions {
   /// PyTorch does once: a model whose modules are registered in another
   /// order than they run still overlaps communication with backward.
   TORCH_ARG(bool, rebuild_buckets) = true;
+  /// ZeRO-2: the rank that owns each parameter's averaged gradient (indexed
+  /// like the parameters given to the reducer; every rank the same). Buckets
+  /// never span two owners; each is reduced to its owner
+  /// (dist::reduce_mean_async) instead of all-reduced, and the other ranks
+  /// free it once the reduce has completed: their `.grad` of a parameter
+  /// they do not own is undefined after the step. A rank keeps its own
+  /// buckets (about 1/world of the gradients) between steps, and a few
+  /// others while backward runs (see unowned_buckets_in_flight). Empty
+  /// (the default): every rank keeps every averaged gradient (DDP). Only
+  /// with the plain mean (AllReduceMean); shared_buckets does not apply.
+  TORCH_ARG(std::vector<int>, gradient_owners) = {};
+  /// ZeRO-2: how many buckets owned by other ranks may be held at once
+  /// during backward. When a new one is needed, backward first waits for
+  /// the oldest launched one's reduce and frees it (bounded memory, less
+  /// overlap).
+  TORCH_ARG(int, unowned_buckets_in_flight) = 2;
 };
 
 /// One bucket: a flat buffer over some parameters' gradients.
@@ -84,6 +100,7 @@ struct Bucket {
   std::vector<int64_t> offsets;
   torch::Tensor flat;
   std::vector<torch::Tensor> views;  // per parameter, shaped like it
+  int owner = -1;  // ZeRO-2: the rank that keeps it (-1: every rank)
   std::size_t pending = 0;
   bool launched = false;
   CommFuture future;  // the communication hook's, while launched
@@ -139,6 +156,7 @@ class Reducer {
         opts_(opts),
         trace_(trace),
         comm_(std::move(comm)) {
+    check_owners(params.size());
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (!params[i].requires_grad()) continue;
       std::string name =
@@ -156,6 +174,8 @@ class Reducer {
       }
       params_.push_back(params[i]);
       names_.push_back(std::move(name));
+      owner_.push_back(
+          opts_.gradient_owners().empty() ? -1 : opts_.gradient_owners()[i]);
     }
     std::vector<std::size_t> order(params_.size());
     // Until gradients have arrived once: reverse registration order
@@ -240,6 +260,26 @@ class Reducer {
   bool sync_enabled() const {
     return enabled_;
   }
+  /// ZeRO-2 (gradient_owners given): buckets are reduced to their owner and
+  /// freed on the other ranks.
+  bool sharded() const {
+    return !owner_.empty() && owner_.front() >= 0;
+  }
+  /// Bytes of gradient buffers this rank holds now: the buckets allocated
+  /// (all of them in DDP; in ZeRO-2 its own, between steps).
+  uint64_t gradient_bytes() const {
+    return bucket_bytes_;
+  }
+  /// The most gradient bytes this rank has held at once since the reducer
+  /// was made: bucket buffers, plus gradients outside the buckets (those a
+  /// ZeRO-2 rank accumulates under no_sync for parameters it does not own)
+  /// as counted when a step starts. Measured from the tensors held, not
+  /// computed. Not counted: a ZeRO-2 bucket's first gradient, which
+  /// autograd makes before the bucket exists and which is copied into it
+  /// at once (one parameter's gradient for a moment).
+  uint64_t peak_gradient_bytes() const {
+    return peak_bytes_;
+  }
 
   /// Before a backward (the DDP engine calls it from forward, as PyTorch's
   /// `prepare_for_backward`). If an earlier backward threw after launching
@@ -294,6 +334,7 @@ class Reducer {
     }
     torch::NoGradGuard no_grad;
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+      if (!buckets_[bi].flat.defined()) allocate_unowned(bi);
       buckets_[bi].flat.zero_();
       launch(bi);
     }
@@ -303,6 +344,7 @@ class Reducer {
     }
     std::exception_ptr failed;
     complete_buckets("gradient all-reduce (joined)", failed);
+    release_unowned();
     if (used_work) {
       wait_keeping_first(used_work, "used-parameter all-reduce", failed);
     }
@@ -367,9 +409,17 @@ class Reducer {
     std::lock_guard<std::mutex> lock(mutex_);
     finish_abandoned();
     torch::NoGradGuard no_grad;
-    for (auto& b : buckets_) b.flat.zero_();
+    release_unowned();
+    for (auto& b : buckets_) {
+      if (b.flat.defined()) b.flat.zero_();
+    }
     for (std::size_t i = 0; i < params_.size(); ++i) {
       auto& g = params_[i].mutable_grad();
+      if (!buckets_[slot_bucket_[i]].flat.defined()) {  // ZeRO-2: not ours
+        if (!g.defined()) was_undefined_[i] = 1;
+        g = torch::Tensor();
+        continue;
+      }
       // Remembered so a parameter unused on every rank gets its undefined
       // gradient back (PyTorch's set-to-None default).
       if (!g.defined()) was_undefined_[i] = 1;
@@ -416,7 +466,8 @@ class Reducer {
       bool other_kind =
           !current.params.empty() &&
           (params_[current.params.front()].dtype() != p.dtype() ||
-           params_[current.params.front()].device() != p.device());
+           params_[current.params.front()].device() != p.device() ||
+           owner_[current.params.front()] != owner_[k]);
       bool enters_tail = pos + tail == n && pos > 0;
       if (other_kind || enters_tail ||
           (!current.params.empty() && bytes + pbytes > cap)) {
@@ -428,6 +479,7 @@ class Reducer {
               : current.offsets.back() + params_[current.params.back()].numel();
       current.params.push_back(k);
       current.offsets.push_back(offset);
+      current.owner = owner_[k];
       bytes += pbytes;
     }
     close();
@@ -477,8 +529,9 @@ class Reducer {
   // lines), otherwise ordinary zeroed tensors. Every rank has the same
   // layout, so every rank makes the same collective calls here.
   void allocate_buckets() {
+    bucket_bytes_ = 0;
     const auto& shm = group_.shm();
-    if (shm && opts_.shared_buckets()) {
+    if (shm && opts_.shared_buckets() && !sharded()) {
       std::vector<torch::ScalarType> types;
       for (auto& b : buckets_) {
         const auto& p = params_[b.params.front()];
@@ -507,22 +560,128 @@ class Reducer {
       }
     }
     for (auto& b : buckets_) {
-      if (!b.flat.defined()) {
-        b.flat =
-            torch::zeros({numel_of(b)}, params_[b.params.front()].options());
+      if (keeps(b)) allocate(b);
+    }
+  }
+
+  // Whether this rank keeps bucket `b` between steps.
+  bool keeps(const Bucket& b) const {
+    return b.owner < 0 || b.owner == group_.rank();
+  }
+
+  // Gives bucket `b` its buffer (unless it has one, e.g. in shared
+  // memory) and the parameters' views into it.
+  void allocate(Bucket& b) {
+    if (!b.flat.defined()) {
+      b.flat = torch::zeros({numel_of(b)}, params_[b.params.front()].options());
+    }
+    bucket_bytes_ += static_cast<uint64_t>(b.flat.nbytes());
+    peak_bytes_ = std::max(peak_bytes_, bucket_bytes_ + loose_bytes_);
+    b.views.clear();
+    for (std::size_t j = 0; j < b.params.size(); ++j) {
+      const auto& p = params_[b.params[j]];
+      // detach(): a plain alias of the bucket, not an autograd view, so
+      // optimizers may detach_() it in place like any gradient. The view
+      // has the parameter's strides (e.g. channels_last), as autograd
+      // would give its gradient; a parameter with gaps or overlaps gets
+      // a contiguous one.
+      auto slice = b.flat.narrow(0, b.offsets[j], p.numel());
+      b.views.push_back((p.is_non_overlapping_and_dense()
+                             ? slice.as_strided(p.sizes(), p.strides())
+                             : slice.view(p.sizes()))
+                            .detach());
+    }
+  }
+
+  // ZeRO-2: frees bucket `bi`, which another rank owns; its parameters'
+  // gradients become undefined.
+  void release(std::size_t bi) {
+    auto& b = buckets_[bi];
+    if (!b.flat.defined()) return;
+    for (auto k : b.params) params_[k].mutable_grad() = torch::Tensor();
+    bucket_bytes_ -= static_cast<uint64_t>(b.flat.nbytes());
+    b.flat = torch::Tensor();
+    b.views.clear();
+  }
+
+  // ZeRO-2: frees every bucket another rank owns (after their reduces).
+  void release_unowned() {
+    if (!sharded()) return;
+    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+      if (!keeps(buckets_[bi])) release(bi);
+    }
+  }
+
+  // ZeRO-2, during a step: gives bucket `bi` (another rank's) its buffer,
+  // first waiting for the oldest launched ones' reduces and freeing them
+  // while unowned_buckets_in_flight are held. The parameters of the bucket
+  // whose gradients have not arrived get their views now, so autograd
+  // accumulates into them in place (only the first arrival is copied).
+  void allocate_unowned(std::size_t bi) {
+    const auto limit = static_cast<std::size_t>(
+        std::max(1, opts_.unowned_buckets_in_flight()));
+    for (;;) {
+      std::size_t held = 0, oldest = buckets_.size();
+      for (std::size_t k = 0; k < buckets_.size(); ++k) {
+        const auto& o = buckets_[k];
+        if (keeps(o) || !o.flat.defined()) continue;
+        ++held;
+        if (o.launched && oldest == buckets_.size()) oldest = k;
       }
-      for (std::size_t j = 0; j < b.params.size(); ++j) {
-        const auto& p = params_[b.params[j]];
-        // detach(): a plain alias of the bucket, not an autograd view, so
-        // optimizers may detach_() it in place like any gradient. The view
-        // has the parameter's strides (e.g. channels_last), as autograd
-        // would give its gradient; a parameter with gaps or overlaps gets
-        // a contiguous one.
-        auto slice = b.flat.narrow(0, b.offsets[j], p.numel());
-        b.views.push_back((p.is_non_overlapping_and_dense()
-                               ? slice.as_strided(p.sizes(), p.strides())
-                               : slice.view(p.sizes()))
-                              .detach());
+      if (held < limit || oldest == buckets_.size()) break;
+      auto& o = buckets_[oldest];
+      while (o.future.pending()) {
+        dist::CollectiveTag tag("bucket", static_cast<long>(oldest));
+        o.future.advance(group_, "gradient reduce");
+      }
+      release(oldest);
+    }
+    auto& b = buckets_[bi];
+    allocate(b);
+    if (state_ != StepState::running) return;
+    for (std::size_t j = 0; j < b.params.size(); ++j) {
+      const auto k = b.params[j];
+      auto& g = params_[k].mutable_grad();
+      if (!ready_[k] && !g.defined()) {
+        g = b.views[j];
+        was_undefined_[k] = 1;
+      }
+    }
+  }
+
+  // At a step's start (the first gradient hook, of parameter `first`):
+  // bytes of gradients held outside the buckets (a ZeRO-2 rank's gradients
+  // of others' parameters accumulated under no_sync), for
+  // peak_gradient_bytes. Not `first`'s: the gradient autograd has just
+  // made, about to be copied into its bucket.
+  void count_loose_gradients(std::size_t first) {
+    loose_bytes_ = 0;
+    loose_.assign(params_.size(), 0);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto& g = params_[i].grad();
+      if (!g.defined() || i == first) continue;
+      const auto& b = buckets_[slot_bucket_[i]];
+      if (!b.flat.defined() || !is_view_of(g, b.views[slot_index_[i]])) {
+        loose_bytes_ += static_cast<uint64_t>(g.nbytes());
+        loose_[i] = 1;
+      }
+    }
+    peak_bytes_ = std::max(peak_bytes_, bucket_bytes_ + loose_bytes_);
+  }
+
+  void check_owners(std::size_t n) const {
+    const auto& owners = opts_.gradient_owners();
+    if (owners.empty()) return;
+    if (owners.size() != n) {
+      throw UsageError(ddpkit::detail::cat("Reducer: gradient_owners has ",
+                                           owners.size(), " entries for ", n,
+                                           " parameters"));
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (owners[i] < 0 || owners[i] >= group_.size()) {
+        throw UsageError(ddpkit::detail::cat(
+            "Reducer: gradient_owners[", i, "] is ", owners[i],
+            "; expected a rank in [0, ", group_.size(), ")"));
       }
     }
   }
@@ -623,6 +782,7 @@ class Reducer {
         if (error.empty()) error = "unknown error";
       }
     }
+    release_unowned();
     reset_step();
     return error;
   }
@@ -639,8 +799,12 @@ class Reducer {
     }
   }
 
+  // Parameter i's view into its bucket (ZeRO-2: the bucket is allocated
+  // if it was freed).
   torch::Tensor& view_of(std::size_t i) {
-    return buckets_[slot_bucket_[i]].views[slot_index_[i]];
+    const std::size_t bi = slot_bucket_[i];
+    if (!buckets_[bi].flat.defined()) allocate_unowned(bi);
+    return buckets_[bi].views[slot_index_[i]];
   }
 
   static bool is_view_of(const torch::Tensor& g, const torch::Tensor& view) {
@@ -661,6 +825,11 @@ class Reducer {
       was_undefined_[i] = 1;
     } else if (!is_view_of(g, view)) {
       view.copy_(g);
+      if (i < loose_.size() && loose_[i]) {
+        loose_bytes_ -=
+            std::min(loose_bytes_, static_cast<uint64_t>(g.nbytes()));
+        loose_[i] = 0;
+      }
       g = view;
       ++gradient_copies_;
     }
@@ -685,6 +854,7 @@ class Reducer {
     if (state_ != StepState::running) {
       state_ = StepState::running;
       step_bytes_at_start_ = group_.bytes_started();
+      count_loose_gradients(i);
       // The token lives as long as the graph task holding the callback.
       auto token = std::make_shared<char>();
       callback_token_ = token;
@@ -748,7 +918,11 @@ class Reducer {
     GradBucket view{bi,     buckets_.size(), steps_completed_,
                     b.flat, b.views,         b.params};
     dist::CollectiveTag tag("bucket", static_cast<long>(bi));
-    b.future = comm_.run(group_, view);
+    if (b.owner >= 0) {  // ZeRO-2: the mean on its owner only
+      b.future = CommFuture(dist::reduce_mean_async(group_, b.flat, b.owner));
+    } else {
+      b.future = comm_.run(group_, view);
+    }
   }
 
   // Completes every launched bucket's future: one link of each in bucket
@@ -834,6 +1008,7 @@ class Reducer {
       }
     }
     complete_buckets("gradient all-reduce", failed);
+    release_unowned();  // ZeRO-2: what other ranks own
     if (used_work &&
         wait_keeping_first(used_work, "used-parameter all-reduce", failed)) {
       // Unused on every rank: its gradient stays as it was before the step
@@ -872,6 +1047,9 @@ class Reducer {
   std::vector<ddpkit::compat::GradAccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::vector<Bucket> buckets_;
+  std::vector<int> owner_;  // per parameter (ZeRO-2), else -1
+  uint64_t bucket_bytes_ = 0, peak_bytes_ = 0, loose_bytes_ = 0;
+  std::vector<uint8_t> loose_;  // counted in loose_bytes_, not yet adopted
   std::vector<std::size_t> slot_bucket_;
   std::vector<std::size_t> slot_index_;
   std::vector<bool> ready_;

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -200,6 +201,11 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   const torch::optim::Optimizer& shard_optimizer() const {
     return *inner_;
   }
+  /// The largest buffer the parameters' gather has used (measured: the
+  /// flat tensor each owner's parameters are broadcast through).
+  uint64_t gather_buffer_bytes() const {
+    return gather_bytes_;
+  }
 
  private:
   struct Split {
@@ -258,7 +264,8 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     if (group_.size() == 1) return;
     dist::CollectiveTag tag("zero parameters");
     for (int r = 0; r < group_.size(); ++r) {
-      broadcast_coalesced(group_, owned_[static_cast<std::size_t>(r)], r);
+      broadcast_coalesced(group_, owned_[static_cast<std::size_t>(r)], r,
+                          &gather_bytes_);
     }
   }
 
@@ -283,7 +290,18 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   Factory make_;
   dist::Group group_;
   std::unique_ptr<torch::optim::Optimizer> full_;  // after consolidate()
+  uint64_t gather_bytes_ = 0;
 };
+
+/// Bytes of optimizer state this rank keeps: a ShardedOptimizer's shard, or
+/// a plain optimizer's whole state (see optimizer_state_bytes).
+inline uint64_t local_optimizer_state_bytes(
+    const torch::optim::Optimizer& opt) {
+  if (const auto* s = dynamic_cast<const ShardedOptimizer*>(&opt)) {
+    return s->state_bytes();
+  }
+  return optimizer_state_bytes(opt);
+}
 
 /// ZeRO stage 1 as a parallel policy: DDP's engine (same reducer, hooks,
 /// SyncBN, accumulation, join) whose optimizer the Trainer makes through
@@ -324,13 +342,110 @@ struct BasicZeRO1 {
     uint64_t optimizer_state_bytes() const {
       return sharded_ ? sharded_->state_bytes() : 0;
     }
+    /// The largest buffer the parameters' gather used (measured).
+    uint64_t gather_buffer_bytes() const {
+      return sharded_ ? sharded_->gather_buffer_bytes() : 0;
+    }
 
-   private:
+   protected:
     ShardedOptimizer* sharded_ = nullptr;
   };
 };
 
 /// ZeRO stage 1 with plain all-reduce of float32 gradients.
 using ZeRO1 = BasicZeRO1<AllReduceMean>;
+
+/// ZeRO stage 2: ZeRO-1 plus sharded gradients. Each gradient bucket is
+/// reduced to the rank that owns its parameters (the same partition as the
+/// optimizer's; buckets never span two owners) while backward runs, and the
+/// other ranks free it: between steps a rank holds only its own gradients
+/// (about 1/world), and during backward at most
+/// `ReducerOptions::unowned_buckets_in_flight` buckets of others'. Usable
+/// wherever DDP is: `Trainer<Model, ZeRO2, DistributedSampling, SyncBN>`.
+///
+/// What differs from DDP for code that reads gradients: after a step's
+/// backward, `.grad` of a parameter another rank owns is undefined. The
+/// Trainer clips by global norm through `clip_grad_norm` (the norm is
+/// computed across the shards), and the AMP and finiteness checks agree
+/// across ranks. Gradients are averaged with the plain mean only (no
+/// compression hook). Under gradient accumulation (no_sync) the micro-
+/// steps' gradients are held whole until the synchronised step, as in DDP.
+struct ZeRO2 {
+  using parallel_concept = parallel_tag;
+  static constexpr bool is_multi_process = true;
+  static constexpr bool is_multi_replica = false;
+  static constexpr const char* name = "zero2";
+  using options_type = DDPOptions;
+  using comm_type = AllReduceMean;
+
+  template <class Model>
+  class engine : public BasicZeRO1<AllReduceMean>::template engine<Model> {
+    using base = typename BasicZeRO1<AllReduceMean>::template engine<Model>;
+
+   public:
+    engine(Model model, dist::Group group, options_type opts,
+           torch::Device device)
+        : engine(with_owners(model, group, std::move(opts)), std::move(model),
+                 std::move(group), device) {}
+
+    /// Mixed precision: unscales this rank's gradient shard; the ranks
+    /// agree on whether any shard overflowed.
+    bool unscale_and_check(LossScaler& scaler) {
+      auto* r = this->reducer();
+      if (!r) return base::unscale_and_check(scaler);
+      std::vector<torch::Tensor> flats;
+      for (const auto& b : r->buckets()) {
+        if (b.flat.defined()) flats.push_back(b.flat);
+      }
+      return scaler.unscale_and_check_gradients(flats, this->group(), true);
+    }
+
+    /// PyTorch's clip_grad_norm_ over the whole model's averaged gradients,
+    /// which are sharded: each rank sums its own gradients' norms (to the
+    /// power `norm_type`; the maximum for inf), one all-reduce adds them,
+    /// and each rank scales its shard by max_norm / (total + 1e-6) when
+    /// that is below 1. Returns the total norm (the same on every rank).
+    double clip_grad_norm(double max_norm, double norm_type = 2.0) {
+      auto& m = as_module(this->module());
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : m.parameters()) {
+        if (p.grad().defined()) grads.push_back(p.grad());
+      }
+      const bool inf = std::isinf(norm_type);
+      double local = 0;
+      if (!grads.empty()) {
+        std::vector<torch::Tensor> norms;
+        for (const auto& g : grads) norms.push_back(g.detach().norm(norm_type));
+        auto n = torch::stack(norms).to(torch::kDouble);
+        local = inf ? n.max().template item<double>()
+                    : n.pow(norm_type).sum().template item<double>();
+      }
+      double total = dist::all_reduce_value(
+          this->group(), local, inf ? dist::Reduce::max : dist::Reduce::sum);
+      if (!inf) total = std::pow(total, 1.0 / norm_type);
+      const double coef = max_norm / (total + 1e-6);
+      if (coef < 1) {
+        torch::NoGradGuard no_grad;
+        for (auto& g : grads) g.mul_(coef);
+      }
+      return total;
+    }
+
+   private:
+    // DDP's options with every parameter's gradient owner: the optimizer's
+    // partition (partition_parameters over the module's parameters).
+    static options_type with_owners(Model& model, const dist::Group& group,
+                                    options_type opts) {
+      opts.reducer().gradient_owners(
+          partition_parameters(as_module(model).parameters(), group.size()));
+      return opts;
+    }
+    // (Reference parameters: nothing is moved before `with_owners` has
+    // read the model, whatever order the arguments above are evaluated in.)
+    engine(options_type opts, Model&& model, dist::Group&& group,
+           torch::Device device)
+        : base(std::move(model), std::move(group), std::move(opts), device) {}
+  };
+};
 
 }  // namespace ddpkit::parallel

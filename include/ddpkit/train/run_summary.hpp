@@ -42,6 +42,14 @@ struct FitResult {
   /// the rank that waited least: the one the others waited for.
   std::vector<double> rank_wait_seconds;
   int slowest_rank = -1;
+  /// Per rank, in bytes, measured at the fit's end from the tensors held:
+  /// the optimizer state the rank keeps (ZeRO: its shard), the most
+  /// gradient bytes it held at once (the DDP reducer's buckets; ZeRO-2: its
+  /// own shard plus the others' buckets in flight), and the largest
+  /// buffer the parameters were gathered through (ZeRO; 0 otherwise).
+  struct Memory {
+    std::vector<double> optimizer_state, gradients_peak, parameter_gather;
+  } memory;
 };
 
 /// The task's metrics over a dataset, the same on every rank.
@@ -129,6 +137,13 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
   if (!r.rank_wait_seconds.empty()) {
     j.raw("wait_seconds_per_rank", detail::json_array(r.rank_wait_seconds))
         .add("slowest_rank", r.slowest_rank);
+  }
+  if (!r.memory.optimizer_state.empty()) {
+    ddpkit::detail::JsonObject mem;
+    mem.raw("optimizer_state", detail::json_array(r.memory.optimizer_state))
+        .raw("gradients_peak", detail::json_array(r.memory.gradients_peak))
+        .raw("parameter_gather", detail::json_array(r.memory.parameter_gather));
+    j.raw("memory_bytes_per_rank", mem.compact());
   }
   // Rank 0's step time by phase, ms per step (StepTimes).
   if (r.step_times.steps > 0) j.raw("step_ms", r.step_times.json());

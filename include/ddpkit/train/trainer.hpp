@@ -40,6 +40,7 @@
 #include "ddpkit/parallel/engine.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/parallel/zero.hpp"
 #include "ddpkit/train/callbacks.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/clip.hpp"
@@ -697,9 +698,7 @@ class Trainer : private CheckpointWriter {
     // unscale (AMP: one fused pass, one host sync, and the step is skipped
     // everywhere if any rank overflowed), clip, step.
     if (!amp || engine_.unscale_and_check(scaler_)) {
-      if (options_.clip().enabled()) {
-        clip_gradients(s.module->parameters(), options_.clip());
-      }
+      if (options_.clip().enabled()) clip(*s.module);
       optimizer_->step();
     }
     times.optimizer += seconds_between(agree_end, clock::now());
@@ -712,6 +711,57 @@ class Trainer : private CheckpointWriter {
       emit(BatchEnd{s, d.loss});
     }
     return a.signal;
+  }
+
+  /// Clips the averaged gradients as the options say; by norm through the
+  /// engine when its gradients are sharded (ZeRO-2: the norm is taken
+  /// across the shards).
+  void clip(torch::nn::Module& module) {
+    const ClipOptions& c = options_.clip();
+    if constexpr (requires { engine_.clip_grad_norm(1.0, 2.0); }) {
+      if (c.max_norm() > 0) {
+        engine_.clip_grad_norm(c.max_norm(), c.norm_type());
+        return;
+      }
+    }
+    clip_gradients(module.parameters(), c);
+  }
+
+  /// Each rank's memory (FitResult::memory), measured now; every rank
+  /// calls it at the same point.
+  FitResult::Memory measure_memory() {
+    double state = optimizer_
+                       ? static_cast<double>(
+                             parallel::local_optimizer_state_bytes(*optimizer_))
+                       : 0.0;
+    double grads = 0, gather = 0;
+    if constexpr (requires { engine_.peak_gradient_bytes(); }) {
+      grads = static_cast<double>(engine_.peak_gradient_bytes());
+    } else {
+      for (const auto& p : parallel::as_module(engine_.module()).parameters()) {
+        if (p.grad().defined()) grads += static_cast<double>(p.grad().nbytes());
+      }
+    }
+    if constexpr (requires { engine_.gather_buffer_bytes(); }) {
+      gather = static_cast<double>(engine_.gather_buffer_bytes());
+    }
+    FitResult::Memory m;
+    if (!multi()) {
+      m.optimizer_state = {state};
+      m.gradients_peak = {grads};
+      m.parameter_gather = {gather};
+      return m;
+    }
+    dist::CollectiveTag tag("memory report");
+    auto mine = torch::tensor({state, grads, gather}, torch::kFloat64);
+    const auto all = dist::all_gather(group_, mine.to(group_.device()));
+    for (const auto& t : all) {
+      const auto v = t.cpu();
+      m.optimizer_state.push_back(v[0].template item<double>());
+      m.gradients_peak.push_back(v[1].template item<double>());
+      m.parameter_gather.push_back(v[2].template item<double>());
+    }
+    return m;
   }
 
   /// The autocast state of the chosen mixed precision on this device.
@@ -917,6 +967,7 @@ class Trainer : private CheckpointWriter {
       }
     }
     result.slowest_rank = EpochMetrics::least_waiting(result.rank_wait_seconds);
+    result.memory = measure_memory();
     if (is_main()) write_summary(result, nullptr);
     return result;
   }
