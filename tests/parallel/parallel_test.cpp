@@ -1709,8 +1709,8 @@ TEST_SUITE("parallel") {
 
   TEST_CASE(
       "ZeRO-2 holds at most its own gradients and the buckets in flight "
-      "(world 4, a bucket per layer; 1 and 2 buckets of others' at once) "
-      "and equals DDP") {
+      "(world 4, a bucket per layer; 1 and 2 buckets of others' at once; "
+      "gloo's reduce and the shared-memory channel) and equals DDP") {
     auto peak_of = [](const TempDir& d, int r) {
       uint64_t n = 0;
       std::ifstream(d / ("peak" + std::to_string(r))) >> n;
@@ -1725,9 +1725,12 @@ TEST_SUITE("parallel") {
     for (int inflight : {1, 2}) {
       CAPTURE(inflight);
       TempDir z;
+      // One in flight over gloo's reduce (the shared-memory channel off),
+      // two through the channel.
       REQUIRE(run_workers("zero2_peak", 4, z.str(),
                           {{"T_MODE", "zero2"},
-                           {"T_INFLIGHT", std::to_string(inflight)}})
+                           {"T_INFLIGHT", std::to_string(inflight)},
+                           {"DDPKIT_SHM", inflight == 1 ? "0" : "1"}})
                   .ok());
       for (int r = 0; r < 4; ++r) {
         CAPTURE(r);
