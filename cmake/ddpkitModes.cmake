@@ -1,27 +1,27 @@
 # ddpkit_add_mode_executables(<name> <source> [LIBS <lib>...]
 #                             [PRECOMPILE <header>...] [PCH_FROM <target>])
 #
-# Builds <source> once per parallel mode as <name>-single, <name>-dp and
-# <name>-ddp (or only the mode named by the cache variable DDPKIT_MODE:
-# single, dp, ddp or all). The source selects `using Mode = ...` from the
-# macros DDPKIT_MODE_SINGLE / _DP / _DDP. The mode is #defined in a
-# generated one-line wrapper rather than with -D, so all modes share one
+# Builds <source> once per parallel mode as <name>-single, <name>-dp,
+# <name>-ddp and <name>-zero (ZeRO-2), or only the mode named by the cache
+# variable DDPKIT_MODE (single, dp, ddp, zero or all). The source selects
+# `using Mode = ...` from the macros DDPKIT_MODE_SINGLE / _DP / _DDP / _ZERO.
+# The mode is #defined in a generated one-line wrapper rather than with -D, so all modes share one
 # precompiled header (default <ddpkit/ddpkit.hpp>; PRECOMPILE replaces the
 # list; PCH_FROM reuses an existing target's precompiled header of the same
 # headers instead, where that target exists). Binaries go to
 # ${CMAKE_BINARY_DIR}/bin.
 include_guard(GLOBAL)
-set(DDPKIT_MODE "all" CACHE STRING "single, dp, ddp or all")
+set(DDPKIT_MODE "all" CACHE STRING "single, dp, ddp, zero or all")
 
 function(ddpkit_add_mode_executables name source)
   cmake_parse_arguments(arg "" "PCH_FROM" "LIBS;PRECOMPILE" ${ARGN})
   if(NOT arg_PRECOMPILE)
     set(arg_PRECOMPILE <ddpkit/ddpkit.hpp>)
   endif()
-  set(modes single dp ddp)
+  set(modes single dp ddp zero)
   if(NOT DDPKIT_MODE STREQUAL "all")
     if(NOT DDPKIT_MODE IN_LIST modes)
-      message(FATAL_ERROR "DDPKIT_MODE='${DDPKIT_MODE}' is not one of single, dp, ddp, all")
+      message(FATAL_ERROR "DDPKIT_MODE='${DDPKIT_MODE}' is not one of single, dp, ddp, zero, all")
     endif()
     set(modes ${DDPKIT_MODE})
   endif()

@@ -1,7 +1,7 @@
 // A character-level Transformer language model on a plain text file: the
 // third example, and the first whose samples are not images (the
 // LanguageModel task: token cross entropy, metrics loss and ppl). The mode
-// is a compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp.
+// is a compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp|zero.
 //
 //   ./char-lm-ddp --world-size 2                  # a licence text, 2 ranks
 //   ./char-lm-single --data book.txt --epochs 10 --context 128
@@ -16,6 +16,9 @@
 
 #if defined(DDPKIT_MODE_DDP)
 using Mode = ddpkit::DDP;
+#elif defined(DDPKIT_MODE_ZERO)
+// ZeRO stage 2: optimizer state and gradients sharded across processes.
+using Mode = ddpkit::ZeRO2;
 #elif defined(DDPKIT_MODE_DP)
 using Mode = ddpkit::DataParallel;
 #else

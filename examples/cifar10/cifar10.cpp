@@ -1,6 +1,6 @@
 // CIFAR-10 with a compact CNN, Adam, StepLR and early stopping: the first
 // reference recipe (single GPU → DataParallel → DDP), in C++. The mode is a
-// compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp.
+// compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp|zero.
 //
 //   ./cifar10-ddp --world-size 2          # self-spawned, 2 ranks
 //   ./cifar10-ddp --world-size 2 --comm powersgd --powersgd-rank 2
@@ -15,6 +15,9 @@
 #if defined(DDPKIT_MODE_DDP)
 // Plain DDP whose gradient communication (--comm) is chosen at run time.
 using Mode = ddpkit::DDPRuntimeComm;
+#elif defined(DDPKIT_MODE_ZERO)
+// ZeRO stage 2: optimizer state and gradients sharded across processes.
+using Mode = ddpkit::ZeRO2;
 #elif defined(DDPKIT_MODE_DP)
 using Mode = ddpkit::DataParallel;
 #else
@@ -70,6 +73,8 @@ int main(int argc, char** argv) {
     app.add_flag("--sync-bn,!--no-sync-bn", sync_bn,
                  "synchronise BatchNorm statistics across processes (off, as "
                  "in the recipe)");
+  }
+  if constexpr (std::is_same_v<Mode, ddpkit::DDPRuntimeComm>) {
     app.add_option("--comm", comm,
                    "gradient communication: allreduce (float32), fp16, bf16 "
                    "or powersgd (low-rank, with error feedback)")

@@ -1,7 +1,7 @@
 // ResNet34 on flower_photos with SGD, cosine LR, SyncBN and linear LR
 // scaling: the second reference recipe (train_single_gpu.py /
 // train_multi_gpu_using_launch.py / _using_spawn.py), in C++. The mode is a
-// compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp.
+// compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp|zero.
 //
 //   ./flowers-resnet34-ddp --world-size 2 --image-size 64
 //   torchrun --nproc_per_node=8 --no_python ./flowers-resnet34-ddp --data
@@ -19,6 +19,9 @@
 
 #if defined(DDPKIT_MODE_DDP)
 using Mode = ddpkit::DDP;
+#elif defined(DDPKIT_MODE_ZERO)
+// ZeRO stage 2: optimizer state and gradients sharded across processes.
+using Mode = ddpkit::ZeRO2;
 #elif defined(DDPKIT_MODE_DP)
 using Mode = ddpkit::DataParallel;
 #else

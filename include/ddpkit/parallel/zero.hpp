@@ -206,10 +206,21 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   uint64_t gather_buffer_bytes() const {
     return gather_bytes_;
   }
+  /// The gather's largest flat buffer (default 4 MiB; a larger parameter
+  /// is broadcast alone). Every rank must set the same value.
+  void set_gather_chunk_bytes(int64_t bytes) {
+    if (bytes <= 0) {
+      throw UsageError(ddpkit::detail::cat(
+          "ShardedOptimizer: gather chunk of ", bytes,
+          " bytes; expected a positive size"));
+    }
+    gather_chunk_bytes_ = bytes;
+  }
 
  private:
   struct Split {
     std::vector<std::vector<torch::Tensor>> owned;
+    std::vector<int> owner;  // per parameter
     std::unique_ptr<torch::optim::Optimizer> inner;
   };
 
@@ -217,9 +228,9 @@ class ShardedOptimizer : public torch::optim::Optimizer {
                      const Factory& make, const dist::Group& group) {
     Split s;
     s.owned.resize(static_cast<std::size_t>(group.size()));
-    const auto owner = partition_parameters(params, group.size());
+    s.owner = partition_parameters(params, group.size());
     for (std::size_t i = 0; i < params.size(); ++i) {
-      s.owned[static_cast<std::size_t>(owner[i])].push_back(params[i]);
+      s.owned[static_cast<std::size_t>(s.owner[i])].push_back(params[i]);
     }
     s.inner = checked(make, s.owned[static_cast<std::size_t>(group.rank())]);
     return s;
@@ -246,6 +257,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
                 torch::optim::OptimizerParamGroup(params)},
             s.inner->param_groups().at(0).options().clone()),
         owned_(std::move(s.owned)),
+        owner_(std::move(s.owner)),
         inner_(std::move(s.inner)),
         params_(params),
         make_(make),
@@ -260,12 +272,127 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     return opt;
   }
 
+  // Every owner's updated parameters to every rank, through flat buffers
+  // of at most gather_chunk_bytes (one parameter larger than that goes
+  // alone), so the gather's buffer stays small next to the shard. The
+  // chunks are the same on every rank (they depend only on the partition
+  // and the shapes).
   void gather_parameters() {
     if (group_.size() == 1) return;
     dist::CollectiveTag tag("zero parameters");
+    if (gather_by_sum()) return;
+    // Elsewhere: broadcasts from each owner in turn.
     for (int r = 0; r < group_.size(); ++r) {
-      broadcast_coalesced(group_, owned_[static_cast<std::size_t>(r)], r,
-                          &gather_bytes_);
+      std::vector<torch::Tensor> chunk;
+      int64_t bytes = 0;
+      for (const auto& p : owned_[static_cast<std::size_t>(r)]) {
+        const auto n = static_cast<int64_t>(p.nbytes());
+        if (!chunk.empty() && bytes + n > gather_chunk_bytes_) {
+          broadcast_coalesced(group_, chunk, r, &gather_bytes_);
+          chunk.clear();
+          bytes = 0;
+        }
+        chunk.push_back(p);
+        bytes += n;
+      }
+      broadcast_coalesced(group_, chunk, r, &gather_bytes_);
+    }
+  }
+
+  // Ranks on one host (the shared-memory channel): an all-gather as a sum.
+  // Each chunk runs over consecutive parameters of one dtype, whoever owns
+  // them; a rank writes its own and zeros elsewhere, and the channel's
+  // all-reduce adds them in memory (x + 0 is x exactly). Far faster than
+  // broadcasts through gloo's sockets; over a network it would carry
+  // twice a broadcast's bytes, so it is used only with the channel.
+  bool gather_by_sum() {
+    if (by_sum_ < 0) {  // the same answer on every rank
+      by_sum_ = group_.shm() ? 1 : 0;
+      for (const auto& p : params_) {
+        // (the flat buffers are what the channel sees: contiguous)
+        if (!p.is_floating_point() ||
+            !dist::ShmChannel::eligible(torch::empty({0}, p.options()))) {
+          by_sum_ = 0;
+        }
+      }
+    }
+    if (by_sum_ == 0) return false;
+    torch::NoGradGuard no_grad;
+    if (!gather_buffers_made_) make_gather_buffers();
+    const int me = group_.rank();
+    std::size_t i = 0;
+    while (i < params_.size()) {
+      // [i, j): one chunk
+      std::size_t j = i;
+      int64_t numel = 0;
+      while (j < params_.size() &&
+             params_[j].scalar_type() == params_[i].scalar_type() &&
+             (j == i || (numel + params_[j].numel()) *
+                                params_[j].element_size() <=
+                            gather_chunk_bytes_)) {
+        numel += params_[j++].numel();
+      }
+      torch::Tensor flat;
+      for (const auto& b : gather_buffers_) {
+        if (b.scalar_type() == params_[i].scalar_type() && b.numel() >= numel) {
+          flat = b.narrow(0, 0, numel);
+          flat.zero_();
+        }
+      }
+      if (!flat.defined()) {
+        flat = torch::zeros({numel}, params_[i].options());
+        gather_bytes_ =
+            std::max(gather_bytes_, static_cast<uint64_t>(flat.nbytes()));
+      }
+      int64_t off = 0;
+      for (std::size_t k = i; k < j; ++k) {
+        const int64_t n = params_[k].numel();
+        if (owner_[k] == me) {
+          flat.narrow(0, off, n).copy_(params_[k].detach().reshape({-1}));
+        }
+        off += n;
+      }
+      dist::all_reduce(group_, flat);
+      off = 0;
+      for (std::size_t k = i; k < j; ++k) {
+        const int64_t n = params_[k].numel();
+        if (owner_[k] != me) {
+          params_[k].detach().copy_(
+              flat.narrow(0, off, n).view(params_[k].sizes()));
+        }
+        off += n;
+      }
+      i = j;
+    }
+    return true;
+  }
+
+  // One shared-memory buffer per dtype for gather_by_sum, as large as
+  // its largest chunk: its all-reduces read the other ranks' chunks where
+  // they lie (no copies through the channel). Collective, at the first
+  // gather on every rank; where a segment cannot be made, chunks are
+  // ordinary tensors.
+  void make_gather_buffers() {
+    gather_buffers_made_ = true;
+    std::vector<std::pair<torch::ScalarType, int64_t>> need;
+    for (const auto& p : params_) {
+      const int64_t n = std::max<int64_t>(
+          p.numel(), gather_chunk_bytes_ / static_cast<int64_t>(
+                                               p.element_size()));
+      auto it = std::find_if(need.begin(), need.end(), [&](const auto& e) {
+        return e.first == p.scalar_type();
+      });
+      if (it == need.end()) {
+        need.emplace_back(p.scalar_type(), n);
+      } else {
+        it->second = std::max(it->second, n);
+      }
+    }
+    for (const auto& [type, n] : need) {
+      auto b = group_.shm()->shared_buffer(n, type);
+      if (!b.defined()) continue;
+      gather_bytes_ += static_cast<uint64_t>(b.nbytes());
+      gather_buffers_.push_back(b);
     }
   }
 
@@ -285,12 +412,17 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   }
 
   std::vector<std::vector<torch::Tensor>> owned_;
+  std::vector<int> owner_;  // per parameter of params_
   std::unique_ptr<torch::optim::Optimizer> inner_;
   std::vector<torch::Tensor> params_;
   Factory make_;
   dist::Group group_;
   std::unique_ptr<torch::optim::Optimizer> full_;  // after consolidate()
   uint64_t gather_bytes_ = 0;
+  int64_t gather_chunk_bytes_ = int64_t{4} << 20;
+  int by_sum_ = -1;  // gather_by_sum applies: -1 not yet known
+  bool gather_buffers_made_ = false;
+  std::vector<torch::Tensor> gather_buffers_;  // in shared memory
 };
 
 /// Bytes of optimizer state this rank keeps: a ShardedOptimizer's shard, or
@@ -378,6 +510,9 @@ struct ZeRO2 {
   using options_type = DDPOptions;
   using comm_type = AllReduceMean;
 
+  /// The bucket cap ZeRO-2 uses where DDPOptions leaves DDP's default.
+  static constexpr int64_t kBucketCapBytes = int64_t{4} << 20;
+
   template <class Model>
   class engine : public BasicZeRO1<AllReduceMean>::template engine<Model> {
     using base = typename BasicZeRO1<AllReduceMean>::template engine<Model>;
@@ -436,6 +571,13 @@ struct ZeRO2 {
     // partition (partition_parameters over the module's parameters).
     static options_type with_owners(Model& model, const dist::Group& group,
                                     options_type opts) {
+      // A bucket of others' gradients is memory held beyond the shard:
+      // DDP's default cap (25 MiB) becomes 4 MiB here; any other value
+      // is kept.
+      if (opts.reducer().bucket_cap_bytes() ==
+          ReducerOptions().bucket_cap_bytes()) {
+        opts.reducer().bucket_cap_bytes(kBucketCapBytes);
+      }
       opts.reducer().gradient_owners(
           partition_parameters(as_module(model).parameters(), group.size()));
       return opts;
