@@ -26,3 +26,6 @@
 #define t t_not_a_task
 #include "not_a_task.cpp"
 #undef t
+#define t t_random_zero
+#include "random_zero.cpp"
+#undef t
