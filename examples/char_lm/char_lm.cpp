@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
                  "characters to generate after training (0: none)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  ddpkit::cli::add_mode_options<Mode>(app, args);
   if (auto code = ddpkit::cli::parse(app, argc, argv)) return *code;
   if (model_opts.embed() % model_opts.heads() != 0) {
     std::fprintf(stderr,
@@ -118,14 +119,15 @@ int main(int argc, char** argv) {
           std::printf(
               "char_lm %s: world size %d, %zu train / %zu val windows of "
               "%lld chars, vocabulary %lld (%s), %lld parameters; %s\n",
-              Mode::name, Mode::is_multi_process ? group.size() : 1,
-              train_set.size(), val_set.size(), static_cast<long long>(context),
+              ddpkit::cli::mode_name<Mode>(args).c_str(),
+              Mode::is_multi_process ? group.size() : 1, train_set.size(),
+              val_set.size(), static_cast<long long>(context),
               static_cast<long long>(vocab.size()), path.c_str(),
               static_cast<long long>(char_lm::parameter_count(model)),
               ddpkit::cli::precision_summary(args, /*layout=*/false).c_str());
         }
         auto opts = ddpkit::cli::trainer_options(args).run_name("char-lm");
-        auto parallel = ddpkit::parallel_options<Mode>(args.devices);
+        auto parallel = ddpkit::cli::mode_options<Mode>(args);
         // AdamW decays every tensor, LayerNorm gains and biases included
         // (the factory sees a flat list); at 0.01 that costs nothing here.
         const double lr = args.lr;

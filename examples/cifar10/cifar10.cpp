@@ -89,6 +89,7 @@ int main(int argc, char** argv) {
         ->check(CLI::NonNegativeNumber)
         ->capture_default_str();
   }
+  ddpkit::cli::add_mode_options<Mode>(app, args);
   if (auto code = ddpkit::cli::parse(app, argc, argv)) return *code;
   if (auto code = ddpkit::cli::finish_args<Mode>(args, "cifar10")) return *code;
 
@@ -114,8 +115,9 @@ int main(int argc, char** argv) {
               "cifar10 %s: world size %d on %d host%s (transport %s), %zu "
               "train / %zu val "
               "/ %zu test images (%s)%s%s; %s\n",
-              Mode::name, Mode::is_multi_process ? group.size() : 1,
-              group.hosts(), group.hosts() == 1 ? "" : "s",
+              ddpkit::cli::mode_name<Mode>(args).c_str(),
+              Mode::is_multi_process ? group.size() : 1, group.hosts(),
+              group.hosts() == 1 ? "" : "s",
               Mode::is_multi_process ? group.transport().c_str() : "none",
               split.train.size(), split.val.size(), test.size(),
               args.data.empty() ? "built-in synthetic set" : args.data.c_str(),
@@ -134,7 +136,7 @@ int main(int argc, char** argv) {
                                       .gamma(kGamma))
                         .patience(kPatience)
                         .run_name("cifar10");
-        auto parallel = ddpkit::parallel_options<Mode>(args.devices);
+        auto parallel = ddpkit::cli::mode_options<Mode>(args);
         [&](auto& p) {  // generic: only the ddp build's options have comm()
           if constexpr (requires { p.comm(); }) {
             p.comm(ddpkit::parallel::CommOptions()

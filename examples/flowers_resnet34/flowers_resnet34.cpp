@@ -85,6 +85,7 @@ int main(int argc, char** argv) {
          "images per class of the generated folder when --data is not given")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  ddpkit::cli::add_mode_options<Mode>(app, args);
   if (auto code = ddpkit::cli::parse(app, argc, argv)) return *code;
   if (auto code = ddpkit::cli::finish_args<Mode>(args, "flowers-resnet34"))
     return *code;
@@ -143,8 +144,9 @@ int main(int argc, char** argv) {
               "flowers-resnet34 %s: world size %d on %d host%s (transport %s), "
               "%zu train / "
               "%zu val images, %d classes, %dpx; %s\n",
-              Mode::name, Mode::is_multi_process ? group.size() : 1,
-              group.hosts(), group.hosts() == 1 ? "" : "s",
+              ddpkit::cli::mode_name<Mode>(args).c_str(),
+              Mode::is_multi_process ? group.size() : 1, group.hosts(),
+              group.hosts() == 1 ? "" : "s",
               Mode::is_multi_process ? group.transport().c_str() : "none",
               folder.train.size(), folder.val.size(), num_classes, image_size,
               ddpkit::cli::precision_summary(args).c_str());
@@ -196,7 +198,7 @@ int main(int argc, char** argv) {
         eval_tf.size = image_size;
         auto fit = [&]<class BN>() {
           TrainerWith<BN> trainer(model, make_optimizer, opts, group,
-                                  ddpkit::parallel_options<Mode>(args.devices));
+                                  ddpkit::cli::mode_options<Mode>(args));
           return trainer.fit(folder.train, folder.val, train_tf, eval_tf,
                              loader);
         };

@@ -13,6 +13,7 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/policies.hpp"
 #include "ddpkit/train/trainer.hpp"
 #include "ddpkit/version.hpp"
 
@@ -27,6 +28,7 @@ struct CommonArgs {
   double lr = 1e-3;
   int world_size = 0;  ///< self-spawn this many ranks (ddp builds)
   int devices = 2;     ///< DataParallel replicas
+  int zero_stage = 2;  ///< the zero build's ZeRO stage (--zero-stage)
   std::uint64_t seed = 42;
   std::string resume;                 ///< PATH or auto
   bool resume_allow_changes = false;  ///< resume with another world/seed
@@ -243,6 +245,42 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .eval_timeout(args.eval_timeout)
       .monitor(args.monitor)
       .monitor_mode(args.monitor_mode);
+}
+
+/// Whether `Mode`'s options choose a ZeRO stage (parallel::ZeRO2).
+template <class Mode>
+constexpr bool has_zero_stage =
+    requires(typename Mode::options_type o) { o.stage(1); };
+
+/// The options only some modes have: `--zero-stage 1|2` in a ZeRO build.
+template <class Mode>
+void add_mode_options(CLI::App& app, CommonArgs& args) {
+  if constexpr (has_zero_stage<Mode>) {
+    app.add_option("--zero-stage", args.zero_stage,
+                   "ZeRO stage: 2 shards the optimizer state and the "
+                   "gradients across processes, 1 the optimizer state only")
+        ->check(CLI::IsMember({1, 2}))
+        ->capture_default_str();
+  }
+}
+
+/// `Mode`'s options as the command line chose them (DataParallel's
+/// replicas, the ZeRO stage).
+template <class Mode>
+typename Mode::options_type mode_options(const CommonArgs& args) {
+  auto o = parallel_options<Mode>(args.devices);
+  if constexpr (has_zero_stage<Mode>) o.stage(args.zero_stage);
+  return o;
+}
+
+/// The mode's name as summary.json gives it ("zero1" for a ZeRO build at
+/// stage 1).
+template <class Mode>
+std::string mode_name(const CommonArgs& args) {
+  if constexpr (has_zero_stage<Mode>) {
+    return args.zero_stage == 1 ? "zero1" : "zero2";
+  }
+  return Mode::name;
 }
 
 /// Parses; on a bad value prints the reason and returns 2, on --help

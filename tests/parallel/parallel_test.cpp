@@ -1646,9 +1646,9 @@ TEST_SUITE("parallel") {
           const double d = test::max_state_diff(*got, *want);
           const auto [held, own] = read_grads(*run, r);
           MESSAGE(std::string(name), " ", std::string(c.opt),
-                  std::string(c.accum ? " accumulate+clip" : ""), " world ", c.world,
-                  " rank ", r, ": max relative difference from DDP ", d,
-                  "; state ", read_bytes(*run, r), " of ", whole,
+                  std::string(c.accum ? " accumulate+clip" : ""), " world ",
+                  c.world, " rank ", r, ": max relative difference from DDP ",
+                  d, "; state ", read_bytes(*run, r), " of ", whole,
                   " bytes; gradients held ", held, " of ", whole_grads,
                   " bytes");
           CHECK(d <= 1e-6);

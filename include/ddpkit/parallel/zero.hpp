@@ -210,9 +210,9 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   /// is broadcast alone). Every rank must set the same value.
   void set_gather_chunk_bytes(int64_t bytes) {
     if (bytes <= 0) {
-      throw UsageError(ddpkit::detail::cat(
-          "ShardedOptimizer: gather chunk of ", bytes,
-          " bytes; expected a positive size"));
+      throw UsageError(ddpkit::detail::cat("ShardedOptimizer: gather chunk of ",
+                                           bytes,
+                                           " bytes; expected a positive size"));
     }
     gather_chunk_bytes_ = bytes;
   }
@@ -325,11 +325,11 @@ class ShardedOptimizer : public torch::optim::Optimizer {
       // [i, j): one chunk
       std::size_t j = i;
       int64_t numel = 0;
-      while (j < params_.size() &&
-             params_[j].scalar_type() == params_[i].scalar_type() &&
-             (j == i || (numel + params_[j].numel()) *
-                                params_[j].element_size() <=
-                            gather_chunk_bytes_)) {
+      while (
+          j < params_.size() &&
+          params_[j].scalar_type() == params_[i].scalar_type() &&
+          (j == i || (numel + params_[j].numel()) * params_[j].element_size() <=
+                         gather_chunk_bytes_)) {
         numel += params_[j++].numel();
       }
       torch::Tensor flat;
@@ -377,8 +377,8 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     std::vector<std::pair<torch::ScalarType, int64_t>> need;
     for (const auto& p : params_) {
       const int64_t n = std::max<int64_t>(
-          p.numel(), gather_chunk_bytes_ / static_cast<int64_t>(
-                                               p.element_size()));
+          p.numel(),
+          gather_chunk_bytes_ / static_cast<int64_t>(p.element_size()));
       auto it = std::find_if(need.begin(), need.end(), [&](const auto& e) {
         return e.first == p.scalar_type();
       });
@@ -487,6 +487,17 @@ struct BasicZeRO1 {
 /// ZeRO stage 1 with plain all-reduce of float32 gradients.
 using ZeRO1 = BasicZeRO1<AllReduceMean>;
 
+/// ZeRO2's settings: DDP's, and which stage.
+struct ZeROOptions : DDPOptions {
+  ZeROOptions() = default;
+  /// DDP's settings, at stage 2.
+  ZeROOptions(DDPOptions ddp) : DDPOptions(std::move(ddp)) {}  // NOLINT
+  /// 2: the gradients are sharded too (each bucket reduced to its owner);
+  /// 1: only the optimizer state (the gradients all-reduced whole, as
+  /// ZeRO1 does) — a run-time switch, so one build can compare the two.
+  TORCH_ARG(int, stage) = 2;
+};
+
 /// ZeRO stage 2: ZeRO-1 plus sharded gradients. Each gradient bucket is
 /// reduced to the rank that owns its parameters (the same partition as the
 /// optimizer's; buckets never span two owners) while backward runs, and the
@@ -507,7 +518,7 @@ struct ZeRO2 {
   static constexpr bool is_multi_process = true;
   static constexpr bool is_multi_replica = false;
   static constexpr const char* name = "zero2";
-  using options_type = DDPOptions;
+  using options_type = ZeROOptions;
   using comm_type = AllReduceMean;
 
   /// The bucket cap ZeRO-2 uses where DDPOptions leaves DDP's default.
@@ -520,8 +531,16 @@ struct ZeRO2 {
    public:
     engine(Model model, dist::Group group, options_type opts,
            torch::Device device)
-        : engine(with_owners(model, group, std::move(opts)), std::move(model),
-                 std::move(group), device) {}
+        : engine(with_owners(model, group, opts), std::move(model),
+                 std::move(group), device) {
+      stage_ = opts.stage();
+    }
+
+    /// "zero2", or "zero1" when ZeROOptions::stage is 1 (what summary.json
+    /// calls the mode).
+    const char* mode_name() const {
+      return stage_ == 1 ? "zero1" : "zero2";
+    }
 
     /// Mixed precision: unscales this rank's gradient shard; the ranks
     /// agree on whether any shard overflowed.
@@ -542,6 +561,10 @@ struct ZeRO2 {
     /// that is below 1. Returns the total norm (the same on every rank).
     double clip_grad_norm(double max_norm, double norm_type = 2.0) {
       auto& m = as_module(this->module());
+      if (stage_ == 1 || !this->reducer()) {  // every gradient is here
+        return torch::nn::utils::clip_grad_norm_(m.parameters(), max_norm,
+                                                 norm_type);
+      }
       std::vector<torch::Tensor> grads;
       for (const auto& p : m.parameters()) {
         if (p.grad().defined()) grads.push_back(p.grad());
@@ -569,8 +592,14 @@ struct ZeRO2 {
    private:
     // DDP's options with every parameter's gradient owner: the optimizer's
     // partition (partition_parameters over the module's parameters).
-    static options_type with_owners(Model& model, const dist::Group& group,
-                                    options_type opts) {
+    static DDPOptions with_owners(Model& model, const dist::Group& group,
+                                  const options_type& zero) {
+      if (zero.stage() != 1 && zero.stage() != 2) {
+        throw UsageError(ddpkit::detail::cat(
+            "ZeROOptions::stage is ", zero.stage(), "; expected 1 or 2"));
+      }
+      DDPOptions opts = zero;
+      if (zero.stage() == 1) return opts;
       // A bucket of others' gradients is memory held beyond the shard:
       // DDP's default cap (25 MiB) becomes 4 MiB here; any other value
       // is kept.
@@ -584,9 +613,11 @@ struct ZeRO2 {
     }
     // (Reference parameters: nothing is moved before `with_owners` has
     // read the model, whatever order the arguments above are evaluated in.)
-    engine(options_type opts, Model&& model, dist::Group&& group,
+    engine(DDPOptions opts, Model&& model, dist::Group&& group,
            torch::Device device)
         : base(std::move(model), std::move(group), std::move(opts), device) {}
+
+    int stage_ = 2;
   };
 };
 

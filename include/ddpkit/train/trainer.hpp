@@ -330,6 +330,9 @@ class Trainer : private CheckpointWriter {
   RunInfo run_info() const {
     RunInfo info;
     info.mode = Parallel::name;
+    if constexpr (requires { engine_.mode_name(); }) {
+      info.mode = engine_.mode_name();
+    }
     info.sampler = Parallel::is_multi_process ? "distributed" : "local";
     info.bn = BN::name;
     info.lr_scaling = LRScaling::name;
