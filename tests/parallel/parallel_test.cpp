@@ -1748,6 +1748,28 @@ TEST_SUITE("parallel") {
     }
   }
 
+  TEST_CASE(
+      "model_state_bytes gives the ZeRO paper's table: 7.5B parameters at "
+      "64 ranks, mixed precision (K = 12)") {
+    // Rajbhandari et al., SC'20, Figure 1 / Table 1: 120 GB (DDP), 31.4 GB
+    // (stage 1), 16.6 GB (stage 2), 1.88 GB (stage 3).
+    const double paper[] = {120, 31.4, 16.6, 1.88};
+    for (int stage = 0; stage <= 3; ++stage) {
+      const auto b = parallel::model_state_bytes(7.5e9, 64, stage, 2, 2, 12);
+      const double gb = b.total() / 1e9;
+      MESSAGE("stage ", stage, ": parameters ", b.parameters / 1e9,
+              " GB, gradients ", b.gradients / 1e9, " GB, optimizer state ",
+              b.optimizer_state / 1e9, " GB; total ", gb, " GB (paper ",
+              paper[stage], ")");
+      CHECK(std::abs(gb - paper[stage]) <= 0.05 * paper[stage]);
+    }
+    // float32 Adam (4 + 4 + 8 bytes a parameter), 1B at 8 ranks.
+    CHECK(parallel::model_state_bytes(1e9, 8, 0).total() == doctest::Approx(16e9));
+    CHECK(parallel::model_state_bytes(1e9, 8, 2).total() ==
+          doctest::Approx(4e9 + 0.5e9 + 1e9));
+    CHECK_THROWS_AS(parallel::model_state_bytes(1e9, 8, 4), UsageError);
+  }
+
   TEST_CASE("DDP equals one process on the joined batch") {
     for (bool bn : {false, true}) {
       for (int world : {2, 4}) {
