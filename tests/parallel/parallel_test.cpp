@@ -1764,7 +1764,8 @@ TEST_SUITE("parallel") {
       CHECK(std::abs(gb - paper[stage]) <= 0.05 * paper[stage]);
     }
     // float32 Adam (4 + 4 + 8 bytes a parameter), 1B at 8 ranks.
-    CHECK(parallel::model_state_bytes(1e9, 8, 0).total() == doctest::Approx(16e9));
+    CHECK(parallel::model_state_bytes(1e9, 8, 0).total() ==
+          doctest::Approx(16e9));
     CHECK(parallel::model_state_bytes(1e9, 8, 2).total() ==
           doctest::Approx(4e9 + 0.5e9 + 1e9));
     CHECK_THROWS_AS(parallel::model_state_bytes(1e9, 8, 4), UsageError);

@@ -448,9 +448,9 @@ class ShardedOptimizer : public torch::optim::Optimizer {
         return e.type == p.scalar_type();
       });
       if (it == need.end()) {
-        need.push_back({p.scalar_type(), 0, 0,
-                        gather_chunk_bytes_ /
-                            static_cast<int64_t>(p.element_size())});
+        need.push_back(
+            {p.scalar_type(), 0, 0,
+             gather_chunk_bytes_ / static_cast<int64_t>(p.element_size())});
         it = need.end() - 1;
       }
       it->total += p.numel();
