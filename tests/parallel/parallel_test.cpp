@@ -1667,6 +1667,43 @@ TEST_SUITE("parallel") {
         if (run == &zero2) CHECK(total_grads == whole_grads);
       }
 
+      // The whole optimizer state each ZeRO run consolidated half way
+      // (half-opt.pt, written by rank 0) equals the one DDP's plain
+      // optimizer saved at the same step.
+      auto state_tensors = [&](const TempDir& d) {
+        auto net = load_net(d / "half-net.pt", false);
+        auto opt = zero_optimizer(c.opt, net->parameters());
+        torch::serialize::InputArchive a;
+        a.load_from((d / "half-opt.pt").string());
+        opt->load(a);
+        std::vector<torch::Tensor> out;
+        for (const auto& p : net->parameters()) {
+          auto it = opt->state().find(compat::optimizer_state_key(p));
+          REQUIRE(it != opt->state().end());
+          const auto* st = it->second.get();
+          if (const auto* sgd =
+                  dynamic_cast<const torch::optim::SGDParamState*>(st)) {
+            out.push_back(sgd->momentum_buffer());
+          } else if (const auto* adamw =
+                         dynamic_cast<const torch::optim::AdamWParamState*>(
+                             st)) {
+            out.push_back(adamw->exp_avg());
+            out.push_back(adamw->exp_avg_sq());
+          }
+        }
+        return out;
+      };
+      const auto ddp_state = state_tensors(ddp);
+      for (const auto* run : {&zero, &zero2}) {
+        const auto got = state_tensors(*run);
+        REQUIRE(got.size() == ddp_state.size());
+        double worst = 0;
+        for (std::size_t k = 0; k < got.size(); ++k) {
+          worst = std::max(worst, test::rel_diff(got[k], ddp_state[k]));
+        }
+        CHECK(worst <= 1e-6);
+      }
+
       if (c.accum) continue;
       // The state saved half way (consolidated on rank 0: a plain
       // optimizer's) resumes ZeRO-1 and ZeRO-2 at another world size (4
