@@ -278,7 +278,7 @@ typename Mode::options_type mode_options(const CommonArgs& args) {
 template <class Mode>
 std::string mode_name(const CommonArgs& args) {
   if constexpr (has_zero_stage<Mode>) {
-    return args.zero_stage == 1 ? "zero1" : "zero2";
+    return Mode::name_of_stage(args.zero_stage);
   }
   return Mode::name;
 }

@@ -211,11 +211,7 @@ struct BasicDDP {
     /// world of one, the gradients held now).
     uint64_t peak_gradient_bytes() {
       if (reducer_) return reducer_->peak_gradient_bytes();
-      uint64_t n = 0;
-      for (const auto& p : as_module(model_).parameters()) {
-        if (p.grad().defined()) n += static_cast<uint64_t>(p.grad().nbytes());
-      }
-      return n;
+      return held_gradient_bytes(as_module(model_));
     }
 
     /// Uneven inputs, as PyTorch's `Join`: every rank calls this once per

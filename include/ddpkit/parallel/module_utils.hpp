@@ -30,6 +30,15 @@ inline void clear_grads(torch::nn::Module& m) {
   }
 }
 
+/// Bytes of the gradients `m`'s parameters hold now (those defined).
+inline uint64_t held_gradient_bytes(const torch::nn::Module& m) {
+  uint64_t n = 0;
+  for (const auto& p : m.parameters()) {
+    if (p.grad().defined()) n += static_cast<uint64_t>(p.grad().nbytes());
+  }
+  return n;
+}
+
 /// Broadcasts `tensors` from `src`, coalesced into one flat buffer per dtype
 /// (one collective instead of hundreds).
 /// `flat_bytes`, if given, is raised to the largest buffer's size.

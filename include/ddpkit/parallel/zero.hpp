@@ -591,6 +591,12 @@ struct ZeRO2 {
   using options_type = ZeROOptions;
   using comm_type = AllReduceMean;
 
+  /// The mode's name at ZeROOptions::stage `stage`: "zero1" at 1, else
+  /// "zero2" (what summary.json and the examples call it).
+  static constexpr const char* name_of_stage(int stage) {
+    return stage == 1 ? BasicZeRO1<AllReduceMean>::name : name;
+  }
+
   /// The bucket cap ZeRO-2 uses where DDPOptions leaves DDP's default.
   static constexpr int64_t kBucketCapBytes = int64_t{4} << 20;
 
@@ -609,7 +615,7 @@ struct ZeRO2 {
     /// "zero2", or "zero1" when ZeROOptions::stage is 1 (what summary.json
     /// calls the mode).
     const char* mode_name() const {
-      return stage_ == 1 ? "zero1" : "zero2";
+      return name_of_stage(stage_);
     }
 
     /// Mixed precision: unscales this rank's gradient shard; the ranks

@@ -741,9 +741,8 @@ class Trainer : private CheckpointWriter {
     if constexpr (requires { engine_.peak_gradient_bytes(); }) {
       grads = static_cast<double>(engine_.peak_gradient_bytes());
     } else {
-      for (const auto& p : parallel::as_module(engine_.module()).parameters()) {
-        if (p.grad().defined()) grads += static_cast<double>(p.grad().nbytes());
-      }
+      grads = static_cast<double>(
+          parallel::held_gradient_bytes(parallel::as_module(engine_.module())));
     }
     if constexpr (requires { engine_.gather_buffer_bytes(); }) {
       gather = static_cast<double>(engine_.gather_buffer_bytes());
