@@ -677,6 +677,49 @@ void train_tied(TiedNet& net, int steps, int world, int rank,
   }
 }
 
+/// Tied weights through DDP (`T_MODE=ddp`, the optimizer given each tensor
+/// once), ZeRO-1 (`zero1`) or ZeRO-2 (`zero2`: the engine's optimizer over
+/// `parameters()`, which lists the tied tensor twice), SGD with momentum:
+/// writes the net (`tied{r}.pt`) and the optimizer state bytes kept
+/// (`bytes{r}`).
+DDPKIT_WORKER(zero_tied) {
+  auto g = test::worker_group();
+  const std::string mode = env_or("T_MODE", "ddp");
+  auto net = make_tied(40 + g.rank());
+  auto sgd = [](std::vector<torch::Tensor> p) {
+    return std::make_unique<torch::optim::SGD>(
+        p, torch::optim::SGDOptions(0.1).momentum(0.9));
+  };
+  auto train = [&](auto& eng, torch::optim::Optimizer& opt) {
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = test::global_batch(s, g.size() * kPerRank);
+      x = x.narrow(0, g.rank() * kPerRank, kPerRank);
+      y = y.narrow(0, g.rank() * kPerRank, kPerRank);
+      eng.zero_grad();
+      eng.forward_backward(x, y, test::ce_loss);
+      opt.step();
+    }
+  };
+  uint64_t bytes = 0;
+  if (mode == "ddp") {
+    parallel::DDP::engine<TiedNet> eng(net, g, {}, torch::kCPU);
+    auto opt = sgd(parallel::unique_parameters(*net));
+    train(eng, *opt);
+    bytes = parallel::optimizer_state_bytes(*opt);
+  } else {
+    parallel::ZeROOptions zopts;
+    zopts.stage(mode == "zero1" ? 1 : 2);
+    parallel::ZeRO2::engine<TiedNet> eng(net, g, zopts, torch::kCPU);
+    auto opt = eng.make_optimizer(sgd);
+    train(eng, *opt);
+    bytes = eng.optimizer_state_bytes();
+  }
+  const auto r = std::to_string(g.rank());
+  torch::save(net, (test::worker_dir() / ("tied" + r + ".pt")).string());
+  std::ofstream(test::worker_dir() / ("bytes" + r)) << bytes;
+  return 0;
+}
+
 DDPKIT_WORKER(tied_weights) {
   auto g = test::worker_group();
   auto net = make_tied(40 + g.rank());
@@ -984,39 +1027,59 @@ std::pair<torch::Tensor, torch::Tensor> pattern_batch(int s, int m) {
 /// `c` only in the no_sync micro-step. Gradients zeroed through the engine
 /// (what the Trainer does); SGD with momentum and weight decay, so a
 /// gradient that should stay undefined but is zero moves the weights.
+/// `T_MODE=zero1|zero2`: the same through ZeRO's engine and sharded
+/// optimizer instead (writes only `pattern{r}.pt`, the net, as every mode
+/// does).
 DDPKIT_WORKER(unused_pattern) {
   auto g = test::worker_group();
   const int r = g.rank();
+  const std::string mode = env_or("T_MODE", "ddp");
   torch::manual_seed(77);
   PatternNet net;
   parallel::DDPOptions opts;
   opts.reducer(one_param_buckets().find_unused_parameters(true));
-  parallel::DDP::engine<PatternNet> eng(net, g, opts, torch::kCPU);
-  torch::optim::SGD opt(
-      net->parameters(),
-      torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+  auto sgd = [](std::vector<torch::Tensor> p) {
+    return std::make_unique<torch::optim::SGD>(
+        p, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+  };
   std::size_t overlapped = 0;
-  for (int s = 0; s < kPatternSteps; ++s) {
-    eng.zero_grad();
-    net->use_a = r == 0;
-    for (int m = 0; m < 2; ++m) {
-      auto [x, y] = pattern_batch(s, m);
-      x = x.narrow(0, r * kPerRank, kPerRank);
-      y = y.narrow(0, r * kPerRank, kPerRank);
-      net->use_c = m == 0;
-      auto half = [](const torch::Tensor& o, const torch::Tensor& t) {
-        return test::ce_loss(o, t) / 2;
-      };
-      if (m == 0) {
-        auto guard = eng.no_sync();
-        eng.forward_backward(x, y, half);
-      } else {
-        eng.forward_backward(x, y, half);
+  auto train = [&](auto& eng, torch::optim::Optimizer& opt) {
+    for (int s = 0; s < kPatternSteps; ++s) {
+      eng.zero_grad();
+      net->use_a = r == 0;
+      for (int m = 0; m < 2; ++m) {
+        auto [x, y] = pattern_batch(s, m);
+        x = x.narrow(0, r * kPerRank, kPerRank);
+        y = y.narrow(0, r * kPerRank, kPerRank);
+        net->use_c = m == 0;
+        auto half = [](const torch::Tensor& o, const torch::Tensor& t) {
+          return test::ce_loss(o, t) / 2;
+        };
+        if (m == 0) {
+          auto guard = eng.no_sync();
+          eng.forward_backward(x, y, half);
+        } else {
+          eng.forward_backward(x, y, half);
+        }
       }
+      overlapped += eng.reducer()->buckets_launched_in_backward();
+      opt.step();
     }
-    overlapped += eng.reducer()->buckets_launched_in_backward();
-    opt.step();
+    torch::save(net,
+                (test::worker_dir() / ("pattern" + std::to_string(r) + ".pt"))
+                    .string());
+  };
+  if (mode != "ddp") {
+    parallel::ZeROOptions zopts(opts);
+    zopts.stage(mode == "zero1" ? 1 : 2);
+    parallel::ZeRO2::engine<PatternNet> eng(net, g, zopts, torch::kCPU);
+    auto opt = eng.make_optimizer(sgd);
+    train(eng, *opt);
+    return 0;
   }
+  parallel::DDP::engine<PatternNet> eng(net, g, opts, torch::kCPU);
+  auto opt = sgd(net->parameters());
+  train(eng, *opt);
   save_for_python_check(
       g, *net,
       {{"b_grad_defined",
@@ -1782,6 +1845,56 @@ TEST_SUITE("parallel") {
         // Two layers of its own, and `inflight` others' buckets.
         CHECK(peak <= (2 + static_cast<uint64_t>(inflight)) * kLayerBytes);
       }
+    }
+  }
+
+  TEST_CASE(
+      "ZeRO-1 and ZeRO-2 equal DDP with tied weights (the tensor listed "
+      "twice by parameters() is owned, stepped and holds state once) and "
+      "with unused parameters (used on one rank, on none, only under "
+      "no_sync; find_unused_parameters)") {
+    auto bytes_of = [](const TempDir& d, int r) {
+      uint64_t n = 0;
+      std::ifstream(d / ("bytes" + std::to_string(r))) >> n;
+      return n;
+    };
+    TempDir tied_ddp, unused_ddp;
+    REQUIRE(
+        run_workers("zero_tied", 2, tied_ddp.str(), {{"T_MODE", "ddp"}}).ok());
+    REQUIRE(
+        run_workers("unused_pattern", 2, unused_ddp.str(), {{"T_MODE", "ddp"}})
+            .ok());
+    auto tied_want = make_tied(0);
+    torch::load(tied_want, (tied_ddp / "tied0.pt").string());
+    PatternNet unused_want;
+    torch::load(unused_want, (unused_ddp / "pattern0.pt").string());
+    const uint64_t whole = bytes_of(tied_ddp, 0);
+    CHECK(whole == 77 * 4);  // momentum of 36 + 6 + 30 + 5 elements
+    for (const char* mode : {"zero1", "zero2"}) {
+      CAPTURE(mode);
+      TempDir tied, unused;
+      REQUIRE(run_workers("zero_tied", 2, tied.str(), {{"T_MODE", mode}}).ok());
+      REQUIRE(run_workers("unused_pattern", 2, unused.str(), {{"T_MODE", mode}})
+                  .ok());
+      uint64_t total = 0;
+      for (int r = 0; r < 2; ++r) {
+        CAPTURE(r);
+        const auto rs = std::to_string(r);
+        auto t = make_tied(0);
+        torch::load(t, (tied / ("tied" + rs + ".pt")).string());
+        PatternNet u;
+        torch::load(u, (unused / ("pattern" + rs + ".pt")).string());
+        const double dt = test::max_state_diff(*t, *tied_want);
+        const double du = test::max_state_diff(*u, *unused_want);
+        MESSAGE(std::string(mode), " rank ", r, ": tied weights ", dt,
+                ", unused parameters ", du,
+                " (max relative difference from DDP); optimizer state ",
+                bytes_of(tied, r), " of ", whole, " bytes");
+        CHECK(dt <= 1e-6);
+        CHECK(du <= 1e-6);
+        total += bytes_of(tied, r);
+      }
+      CHECK(total == whole);  // the tied tensor's momentum once
     }
   }
 

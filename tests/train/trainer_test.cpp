@@ -229,6 +229,30 @@ struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
 };
 TORCH_MODULE(Mlp);
 
+/// A weight used twice in forward, registered once (`twice` false) or also
+/// under a second name (`twice`: tied weights as language models tie
+/// them; libtorch's parameters() then lists the tensor twice).
+struct TiedMlpImpl : torch::nn::Cloneable<TiedMlpImpl> {
+  explicit TiedMlpImpl(bool twice) : twice(twice) {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(3 * 32 * 32, 16));
+    mid = register_module("mid", torch::nn::Linear(16, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 10));
+    if (twice) register_parameter("tied", mid->weight);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::tanh(fc1(x.flatten(1)));
+    x = torch::tanh(mid(x));
+    x = torch::tanh(torch::nn::functional::linear(x, mid->weight));
+    return fc2(x);
+  }
+  bool twice;
+  torch::nn::Linear fc1{nullptr}, mid{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(TiedMlp);
+
 train::OptimizerFactory sgd_momentum(double lr) {
   return [lr](std::vector<torch::Tensor> p) {
     return std::make_unique<torch::optim::SGD>(
@@ -260,38 +284,55 @@ TrainerOptions bf16_options(const fs::path& out, train::Precision p) {
   return base_options(out, kAccEpochs).lr(kAccLr).verbose(false).precision(p);
 }
 
-/// DDP at world 2, SyncBN, bf16-mixed: batches of 10 per rank.
+/// DDP at world 2, SyncBN, bf16-mixed: batches of 10 per rank. `T_ZERO=1`:
+/// ZeRO-2 instead of DDP.
 DDPKIT_WORKER(trainer_bf16) {
   auto g = test::worker_group();
   torch::manual_seed(1);
   auto d = accumulation_data();
-  DDPTrainer<TinyNet, SyncBN> trainer(
-      conv_bn(), sgd_momentum(kAccLr),
-      bf16_options(test::worker_dir() / "out", train::Precision::bf16_mixed),
-      g);
-  trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
-              data::LoaderOptions(10).workers(0));
-  std::ofstream(test::worker_dir() / ("dtype" + std::to_string(g.rank())))
-      << c10::toString(trainer.model()->conv_dtype);
+  auto run = [&](auto& trainer) {
+    trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                data::LoaderOptions(10).workers(0));
+    std::ofstream(test::worker_dir() / ("dtype" + std::to_string(g.rank())))
+        << c10::toString(trainer.model()->conv_dtype);
+  };
+  auto opts =
+      bf16_options(test::worker_dir() / "out", train::Precision::bf16_mixed);
+  if (std::string(std::getenv("T_ZERO") ? std::getenv("T_ZERO") : "") == "1") {
+    ZeRO2Trainer<TinyNet, SyncBN> trainer(conv_bn(), sgd_momentum(kAccLr), opts,
+                                          g);
+    run(trainer);
+  } else {
+    DDPTrainer<TinyNet, SyncBN> trainer(conv_bn(), sgd_momentum(kAccLr), opts,
+                                        g);
+    run(trainer);
+  }
   return 0;
 }
 
 /// DDP at world 2, bf16-mixed, the Mlp (no BatchNorm: its statistics would
 /// be per micro-batch): batches of 5 per rank, 2 per step, clipped at norm
-/// T_CLIP (0: off): each step is the whole set of 20.
+/// T_CLIP (0: off): each step is the whole set of 20. `T_ZERO=1`: ZeRO-2.
 DDPKIT_WORKER(trainer_bf16_accumulate) {
   auto g = test::worker_group();
   const double clip = std::atof(std::getenv("T_CLIP"));
   torch::manual_seed(1);
   auto d = accumulation_data();
-  DDPTrainer<Mlp> trainer(
-      Mlp(), sgd_momentum(kAccLr),
+  const auto opts =
       bf16_options(test::worker_dir() / "out", train::Precision::bf16_mixed)
           .accumulate(2)
-          .clip(train::ClipOptions().max_norm(clip)),
-      g);
-  trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
-              data::LoaderOptions(5).workers(0));
+          .clip(train::ClipOptions().max_norm(clip));
+  auto run = [&](auto& trainer) {
+    trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                data::LoaderOptions(5).workers(0));
+  };
+  if (std::string(std::getenv("T_ZERO") ? std::getenv("T_ZERO") : "") == "1") {
+    ZeRO2Trainer<Mlp> trainer(Mlp(), sgd_momentum(kAccLr), opts, g);
+    run(trainer);
+  } else {
+    DDPTrainer<Mlp> trainer(Mlp(), sgd_momentum(kAccLr), opts, g);
+    run(trainer);
+  }
   return 0;
 }
 
@@ -1694,21 +1735,29 @@ TEST_SUITE("train") {
     // bfloat16 keeps 8 bits of mantissa: the forward in it moves the
     // weights measurably away from float32's.
     const double precision_effect = worst_diff(bf16, fp32);
-    TempDir dir;
-    auto res = run_workers("trainer_bf16", 2, dir.str());
-    CAPTURE(res.message);
-    REQUIRE(res.ok());
-    const double ddp =
-        worst_diff(model_of(dir / "out/checkpoints/last.pt"), bf16);
-    MESSAGE("bf16-mixed against 32, one process: ", precision_effect,
-            "; DDP world 2 against one process, both bf16-mixed: ", ddp);
-    for (int r = 0; r < 2; ++r) {
-      CHECK(read_file(dir / ("dtype" + std::to_string(r))) == "BFloat16");
-    }
     CHECK(precision_effect > 1e-3);
-    // Within bfloat16's relative precision (2^-8): the ranks' halves round
-    // differently from the joined batch, nothing more.
-    CHECK(ddp < 1.0 / 256);
+    // DDP, and ZeRO-2 (sharded gradients and optimizer state).
+    for (const char* zero : {"0", "1"}) {
+      CAPTURE(zero);
+      TempDir dir;
+      auto res = run_workers("trainer_bf16", 2, dir.str(), {{"T_ZERO", zero}});
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      const double ddp =
+          worst_diff(model_of(dir / "out/checkpoints/last.pt"), bf16);
+      MESSAGE("bf16-mixed against 32, one process: ", precision_effect, "; ",
+              std::string(zero[0] == '1' ? "ZeRO-2" : "DDP"),
+              " world 2 against one process, both bf16-mixed: ", ddp);
+      for (int r = 0; r < 2; ++r) {
+        CHECK(read_file(dir / ("dtype" + std::to_string(r))) == "BFloat16");
+      }
+      CHECK(read_file(dir / "out/summary.json")
+                .find(zero[0] == '1' ? "\"zero2\"" : "\"ddp\"") !=
+            std::string::npos);
+      // Within bfloat16's relative precision (2^-8): the ranks' halves
+      // round differently from the joined batch, nothing more.
+      CHECK(ddp < 1.0 / 256);
+    }
     // 16-mixed needs CUDA.
     TempDir out;
     CHECK_THROWS_WITH_AS(
@@ -1739,20 +1788,64 @@ TEST_SUITE("train") {
       };
       const auto fp32 = one_process(train::Precision::fp32);
       const auto bf16 = one_process(train::Precision::bf16_mixed);
-      TempDir dir;
-      auto res = run_workers("trainer_bf16_accumulate", 2, dir.str(),
-                             {{"T_CLIP", std::to_string(clip)}});
-      CAPTURE(res.message);
-      REQUIRE(res.ok());
-      const auto ddp = model_of(dir / "out/checkpoints/last.pt");
       const double precision_effect = worst_relative_diff(bf16, fp32);
-      const double diff = worst_relative_diff(ddp, bf16);
-      MESSAGE(
-          "clip ", clip,
-          ": bf16-mixed against 32, one process: ", precision_effect,
-          "; DDP accumulating against one process, both bf16-mixed: ", diff);
       CHECK(precision_effect > 1e-4);  // bfloat16 was in effect
-      CHECK(diff < 1.0 / 256);
+      // DDP; ZeRO-2 (its clipping norm taken across the shards) with
+      // clipping.
+      for (const char* zero : {"0", "1"}) {
+        if (zero[0] == '1' && clip == 0) continue;
+        TempDir dir;
+        auto res =
+            run_workers("trainer_bf16_accumulate", 2, dir.str(),
+                        {{"T_CLIP", std::to_string(clip)}, {"T_ZERO", zero}});
+        CAPTURE(res.message);
+        REQUIRE(res.ok());
+        CHECK(read_file(dir / "out/summary.json")
+                  .find(zero[0] == '1' ? "\"zero2\"" : "\"ddp\"") !=
+              std::string::npos);
+        const auto ddp = model_of(dir / "out/checkpoints/last.pt");
+        const double diff = worst_relative_diff(ddp, bf16);
+        MESSAGE("clip ", clip,
+                ": bf16-mixed against 32, one process: ", precision_effect,
+                "; ", std::string(zero[0] == '1' ? "ZeRO-2" : "DDP"),
+                " accumulating against one process, both bf16-mixed: ", diff);
+        CHECK(diff < 1.0 / 256);
+      }
+    }
+  }
+
+  TEST_CASE(
+      "tied weights: a tensor registered under two names trains as if "
+      "registered once (stepped once, counted once by clipping)") {
+    auto d = accumulation_data();
+    for (const double clip : {0.0, 0.05}) {
+      CAPTURE(clip);
+      auto run = [&](bool twice) {
+        TempDir out;
+        torch::manual_seed(3);
+        SingleDeviceTrainer<TiedMlp> t(
+            TiedMlp(twice), sgd_momentum(kAccLr),
+            bf16_options(out.path(), train::Precision::fp32)
+                .clip(train::ClipOptions().max_norm(clip)));
+        t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+              data::LoaderOptions(20).workers(0));
+        return t.model();
+      };
+      auto once = run(false), twice = run(true);
+      auto rel_diff = [](const torch::Tensor& x, const torch::Tensor& y) {
+        return ((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
+            .item<double>();
+      };
+      double worst = 0;
+      auto a = once->named_parameters(), b = twice->named_parameters();
+      for (const auto& kv : a) {
+        worst = std::max(worst, rel_diff(kv.value(), b[kv.key()]));
+      }
+      MESSAGE("clip ", clip, ": registered twice against once: ", worst);
+      CHECK(worst <= 1e-6);
+      // ... and it did train.
+      torch::manual_seed(3);
+      CHECK(rel_diff(once->mid->weight, TiedMlp(false)->mid->weight) > 1e-3);
     }
   }
 

@@ -182,8 +182,8 @@ struct BasicDDP {
     /// on every rank if any rank found an inf/NaN (one max all-reduce).
     bool unscale_and_check(LossScaler& scaler) {
       if (!reducer_) {
-        return scaler.unscale_and_check(as_module(model_).parameters(), group_,
-                                        false);
+        return scaler.unscale_and_check(unique_parameters(as_module(model_)),
+                                        group_, false);
       }
       std::vector<torch::Tensor> flats;
       for (const auto& b : reducer_->buckets()) flats.push_back(b.flat);

@@ -41,8 +41,8 @@ class OneProcessGradients {
   /// Mixed precision: divides the gradients by the loss scale; false (skip
   /// the step) if any is inf/NaN.
   bool unscale_and_check(LossScaler& scaler) {
-    return scaler.unscale_and_check(as_module(self().module()).parameters(),
-                                    dist::Group(), false);
+    return scaler.unscale_and_check(
+        unique_parameters(as_module(self().module())), dist::Group(), false);
   }
   double last_wait_seconds() const {
     return 0;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,27 @@ torch::nn::Module& as_module(Model& model) {
   return *model;
 }
 
+/// `tensors` with each tensor once, in first-seen order.
+inline std::vector<torch::Tensor> unique_tensors(
+    const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& t : tensors) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  }
+  return out;
+}
+
+/// `m`'s parameters, each tensor once. libtorch's `parameters()` lists a
+/// tensor registered under two names (tied weights) twice, and an
+/// optimizer given it twice steps it twice, a norm counts it twice
+/// (Python's `parameters()` lists it once). What the Trainer gives the
+/// optimizer factory, clips and checks.
+inline std::vector<torch::Tensor> unique_parameters(
+    const torch::nn::Module& m) {
+  return unique_tensors(m.parameters());
+}
+
 /// Clears the gradients of `m`'s parameters: set to None (PyTorch 2.x's
 /// `zero_grad()` default, the same on every libtorch version), so the next
 /// backward writes them fresh instead of adding to zeros.
@@ -33,7 +55,7 @@ inline void clear_grads(torch::nn::Module& m) {
 /// Bytes of the gradients `m`'s parameters hold now (those defined).
 inline uint64_t held_gradient_bytes(const torch::nn::Module& m) {
   uint64_t n = 0;
-  for (const auto& p : m.parameters()) {
+  for (const auto& p : unique_parameters(m)) {
     if (p.grad().defined()) n += static_cast<uint64_t>(p.grad().nbytes());
   }
   return n;

@@ -172,9 +172,11 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(
       std::vector<torch::Tensor>)>;
 
+  /// `params`: each tensor once is kept (a tied weight listed twice is
+  /// owned, stepped and saved once).
   ShardedOptimizer(std::vector<torch::Tensor> params, Factory make,
                    dist::Group group)
-      : ShardedOptimizer(split(params, make, group), params, make, group) {}
+      : ShardedOptimizer(unique_tensors(params), make, group, 0) {}
 
   /// This rank's shard (after the learning rate of this optimizer's first
   /// group is copied to it), then the updated parameters from every rank.
@@ -309,6 +311,11 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     }
     return opt;
   }
+
+  // `params` already without repeats.
+  ShardedOptimizer(const std::vector<torch::Tensor>& params,
+                   const Factory& make, const dist::Group& group, int)
+      : ShardedOptimizer(split(params, make, group), params, make, group) {}
 
   // (The arguments of the delegating call above are evaluated in no set
   // order: these are copies, so `split` never sees a moved-from factory.)
@@ -531,7 +538,7 @@ struct BasicZeRO1 {
     template <class Factory>
     std::unique_ptr<torch::optim::Optimizer> make_optimizer(Factory make) {
       auto opt = std::make_unique<ShardedOptimizer>(
-          as_module(this->module()).parameters(),
+          unique_parameters(as_module(this->module())),
           ShardedOptimizer::Factory(std::move(make)), this->group());
       sharded_ = opt.get();
       return opt;
@@ -638,11 +645,11 @@ struct ZeRO2 {
     double clip_grad_norm(double max_norm, double norm_type = 2.0) {
       auto& m = as_module(this->module());
       if (stage_ == 1 || !this->reducer()) {  // every gradient is here
-        return torch::nn::utils::clip_grad_norm_(m.parameters(), max_norm,
+        return torch::nn::utils::clip_grad_norm_(unique_parameters(m), max_norm,
                                                  norm_type);
       }
       std::vector<torch::Tensor> grads;
-      for (const auto& p : m.parameters()) {
+      for (const auto& p : unique_parameters(m)) {
         if (p.grad().defined()) grads.push_back(p.grad());
       }
       const bool inf = std::isinf(norm_type);
@@ -683,8 +690,18 @@ struct ZeRO2 {
           ReducerOptions().bucket_cap_bytes()) {
         opts.reducer().bucket_cap_bytes(kBucketCapBytes);
       }
-      opts.reducer().gradient_owners(
-          partition_parameters(as_module(model).parameters(), group.size()));
+      // The optimizer's partition is over each tensor once; the reducer
+      // takes an owner per entry of parameters() (a tied weight's every
+      // entry gets its tensor's owner).
+      const auto unique = unique_parameters(as_module(model));
+      const auto owner_of_unique = partition_parameters(unique, group.size());
+      std::vector<int> owners;
+      for (const auto& p : as_module(model).parameters()) {
+        std::size_t k = 0;
+        while (!unique[k].is_same(p)) ++k;
+        owners.push_back(owner_of_unique[k]);
+      }
+      opts.reducer().gradient_owners(std::move(owners));
       return opts;
     }
     // (Reference parameters: nothing is moved before `with_owners` has

@@ -133,8 +133,9 @@ class Trainer : private CheckpointWriter {
     if constexpr (requires { engine_.make_optimizer(make_optimizer); }) {
       optimizer_ = engine_.make_optimizer(make_optimizer);
     } else {
-      optimizer_ =
-          make_optimizer(parallel::as_module(engine_.module()).parameters());
+      // Each tensor once (tied weights: see unique_parameters).
+      optimizer_ = make_optimizer(
+          parallel::unique_parameters(parallel::as_module(engine_.module())));
     }
     if (!optimizer_) throw UsageError("the optimizer factory returned nothing");
   }
@@ -727,7 +728,7 @@ class Trainer : private CheckpointWriter {
         return;
       }
     }
-    clip_gradients(module.parameters(), c);
+    clip_gradients(parallel::unique_parameters(module), c);
   }
 
   /// Each rank's memory (FitResult::memory), measured now; every rank
@@ -795,7 +796,7 @@ class Trainer : private CheckpointWriter {
 
   /// Whether every gradient of `module` is finite (one host sync).
   static bool grads_finite(const torch::nn::Module& module) {
-    return gradients_finite(module.parameters());
+    return gradients_finite(parallel::unique_parameters(module));
   }
 
   /// A step whose loss or gradients were not finite, not taken: skipped
