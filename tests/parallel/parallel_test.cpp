@@ -1899,6 +1899,27 @@ TEST_SUITE("parallel") {
   }
 
   TEST_CASE(
+      "ZeRO2 refuses what it cannot do, naming the setting: a stage other "
+      "than 1 or 2, a compression hook") {
+    auto make = [](parallel::ZeROOptions o) {
+      auto net = test::make_net(1);
+      parallel::ZeRO2::engine<test::SmallNet> eng(net, dist::Group(), o,
+                                                  torch::kCPU);
+    };
+    CHECK_THROWS_WITH_AS(make(parallel::ZeROOptions().stage(3)),
+                         doctest::Contains("ZeROOptions::stage is 3"),
+                         UsageError);
+    for (int stage : {1, 2}) {
+      parallel::ZeROOptions o;
+      o.stage(stage);
+      o.comm().kind(parallel::CommKind::powersgd);
+      CHECK_THROWS_WITH_AS(
+          make(o), doctest::Contains("comm().kind() is powersgd"), UsageError);
+    }
+    CHECK_NOTHROW(make(parallel::ZeROOptions()));
+  }
+
+  TEST_CASE(
       "model_state_bytes gives the ZeRO paper's table: 7.5B parameters at "
       "64 ranks, mixed precision (K = 12)") {
     // Rajbhandari et al., SC'20, Figure 1 / Table 1: 120 GB (DDP), 31.4 GB

@@ -681,6 +681,16 @@ struct ZeRO2 {
         throw UsageError(ddpkit::detail::cat(
             "ZeROOptions::stage is ", zero.stage(), "; expected 1 or 2"));
       }
+      if (zero.comm().kind() != CommKind::allreduce) {
+        const char* names[] = {"allreduce", "fp16", "bf16", "powersgd"};
+        throw UsageError(ddpkit::detail::cat(
+            "ZeRO2: DDPOptions::comm().kind() is ",
+            names[static_cast<int>(zero.comm().kind())],
+            "; ZeRO2 averages gradients in float32 only (at stage 2 each "
+            "bucket is reduced to its owner). For compressed gradients with "
+            "the optimizer state sharded use BasicZeRO1<RuntimeComm> (or "
+            "BasicZeRO1<Fp16Compression>, <Bf16Compression>, <PowerSGD>)"));
+      }
       DDPOptions opts = zero;
       if (zero.stage() == 1) return opts;
       // A bucket of others' gradients is memory held beyond the shard:
