@@ -1414,13 +1414,32 @@ TEST_SUITE("dist") {
 
   // Ranks that disagree on a collective's size fail with an error naming
   // both sizes instead of hanging or mixing data.
+  // `T_GATHER=1`: first an all-gather in a shared buffer (ZeRO's), checked;
+  // then rank 0 all-gathers while rank 1 all-reduces that buffer.
   DDPKIT_WORKER(shm_mismatch) {
     auto g = ddpkit::test::worker_group();
     if (!g.shm()) return 2;
+    const bool gather = std::getenv("T_GATHER") != nullptr;
     std::string what = "no error";
     try {
-      auto t = torch::ones({10 + g.rank()});
-      dist::all_reduce(g, t);
+      if (gather) {
+        auto buf = g.shm()->shared_buffer(8, torch::kFloat);
+        if (!buf.defined()) return 4;
+        const std::vector<int64_t> parts{0, 3, 8};
+        buf.narrow(0, parts[g.rank()], parts[g.rank() + 1] - parts[g.rank()])
+            .fill_(g.rank() + 1);
+        dist::all_gather_shared(g, buf, parts);
+        auto want = torch::tensor({1, 1, 1, 2, 2, 2, 2, 2}, torch::kFloat);
+        if (!buf.equal(want)) return 3;
+        if (g.rank() == 0) {
+          dist::all_gather_shared(g, buf, parts);
+        } else {
+          dist::all_reduce(g, buf);
+        }
+      } else {
+        auto t = torch::ones({10 + g.rank()});
+        dist::all_reduce(g, t);
+      }
     } catch (const ddpkit::Error& e) {
       what = e.what();
     }
@@ -1446,6 +1465,22 @@ TEST_SUITE("dist") {
             std::string::npos);
       CHECK(what.find("reduces " + std::to_string(11 - r) + " elements") !=
             std::string::npos);
+    }
+    // An all-gather in place (each rank's part read from its buffer; ZeRO's
+    // parameters) gives every rank every part; against an all-reduce of
+    // the same buffer it fails on both ranks, saying which is which.
+    TempDir gdir;
+    auto gres = run_workers("shm_mismatch", 2, gdir.str(), {{"T_GATHER", "1"}});
+    CAPTURE(gres.message);
+    REQUIRE(gres.ok());
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(gdir / ("mismatch" + std::to_string(r) + ".txt"));
+      std::string what;
+      std::getline(in, what);
+      CAPTURE(what);
+      CHECK(what.find("all-reduce mismatch") != std::string::npos);
+      CHECK(what.find("8 elements of Float in a shared buffer (an "
+                      "all-gather)") != std::string::npos);
     }
   }
 

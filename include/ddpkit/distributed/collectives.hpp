@@ -119,6 +119,22 @@ inline compat::WorkPtr reduce_mean_async(const Group& g, torch::Tensor& t,
   return g.started(id, g.backend()->reduce(ts, opts));
 }
 
+/// Ranks on one host (`g.shm()`, not hierarchical), `t` in a buffer from
+/// the channel's `shared_buffer` where rank q has written elements
+/// [parts[q], parts[q + 1]): afterwards every rank's `t` holds every part
+/// (ShmChannel::all_gather_shared_async). Blocking.
+inline void all_gather_shared(const Group& g, torch::Tensor& t,
+                              std::vector<int64_t> parts) {
+  if (!g.shm()) {
+    throw UsageError(
+        "all_gather_shared: the group has no shared-memory channel");
+  }
+  const auto id = g.begin_collective("all_gather", &t, t.nbytes());
+  detail::wait(
+      g, g.started(id, g.shm()->all_gather_shared_async(t, std::move(parts))),
+      "all_gather");
+}
+
 /// In-place all-reduce of `t` over every rank.
 inline torch::Tensor& all_reduce(const Group& g, torch::Tensor& t,
                                  Reduce op = Reduce::sum) {

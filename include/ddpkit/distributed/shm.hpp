@@ -29,6 +29,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -364,6 +365,38 @@ class ShmChannel {
     return work;
   }
 
+  /// An all-gather in place in a buffer from `shared_buffer` (not between
+  /// hosts: `hierarchical()` false): rank q has written elements
+  /// [parts[q], parts[q + 1]) of `t` (`parts`: world + 1 ascending offsets
+  /// from 0 to t.numel(), the same on every rank); afterwards every rank's
+  /// `t` holds every part, each copied once from its writer's region. On
+  /// the channel's thread, in order with its all-reduces. (ZeRO's
+  /// parameters after a step: a sum of zero-filled buffers moved about
+  /// four times the bytes.)
+  compat::WorkPtr all_gather_shared_async(torch::Tensor t,
+                                          std::vector<int64_t> parts) {
+    std::size_t offset = 0;
+    auto arena = find_arena(t, &offset);
+    if (!arena || between_.enabled ||
+        parts.size() != static_cast<std::size_t>(world_) + 1 ||
+        parts.front() != 0 || parts.back() != t.numel() ||
+        !std::is_sorted(parts.begin(), parts.end())) {
+      throw UsageError(ddpkit::detail::cat(
+          "ShmChannel::all_gather_shared_async: needs a tensor in a shared "
+          "buffer, a channel on one host and ",
+          world_ + 1, " ascending offsets from 0 to ", t.numel(), " (got ",
+          parts.size(), arena ? "" : "; not a shared buffer",
+          between_.enabled ? "; hierarchical channel" : "", ")"));
+    }
+    operations_.fetch_add(1, std::memory_order_relaxed);
+    auto work = c10::make_intrusive<detail::ChannelWork>();
+    Op op{std::move(t), 1.0, std::move(arena), offset, work, std::move(parts)};
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(op));
+    cv_.notify_one();
+    return work;
+  }
+
   /// Largest tensor reduced on the calling thread (see all_reduce_sum_async).
   static constexpr int64_t kInlineBytes = 64 << 10;
 
@@ -374,8 +407,10 @@ class ShmChannel {
     int64_t numel;
     int64_t dtype;
     int64_t offset;  // in the shared buffer; -1: through the slots
+    int64_t gather;  // 1: an all-gather in place, 0: an all-reduce
     bool operator==(const OpDesc& o) const {
-      return numel == o.numel && dtype == o.dtype && offset == o.offset;
+      return numel == o.numel && dtype == o.dtype && offset == o.offset &&
+             gather == o.gather;
     }
   };
   struct alignas(64) RankLine {
@@ -425,6 +460,7 @@ class ShmChannel {
     std::shared_ptr<ShmArena> arena;  // null: through the slots
     std::size_t offset;               // of the tensor in the arena region
     c10::intrusive_ptr<detail::ChannelWork> work;
+    std::vector<int64_t> parts = {};  // an all-gather's; empty: all-reduce
   };
 
   std::shared_ptr<ShmArena> find_arena(const torch::Tensor& t,
@@ -477,6 +513,8 @@ class ShmChannel {
           } else {
             hierarchical_reduce(op.tensor, op.scale);
           }
+        } else if (!op.parts.empty()) {
+          gather_in_place(op);
         } else if (op.arena) {
           reduce_in_place(op);
         } else {
@@ -562,7 +600,8 @@ class ShmChannel {
           return ddpkit::detail::cat(
               d.numel, " elements of ",
               c10::toString(static_cast<c10::ScalarType>(d.dtype)),
-              d.offset >= 0 ? " in a shared buffer" : "");
+              d.offset >= 0 ? " in a shared buffer" : "",
+              d.gather ? " (an all-gather)" : "");
         };
         throw DistError(ddpkit::detail::cat(
             "rank ", rank_, ": all-reduce mismatch: this rank reduces ",
@@ -614,7 +653,7 @@ class ShmChannel {
     const int64_t n = t.numel();
     char* user = static_cast<char*>(t.data_ptr());
     const auto opts = t.options();
-    const OpDesc desc{n, static_cast<int64_t>(t.scalar_type()), -1};
+    const OpDesc desc{n, static_cast<int64_t>(t.scalar_type()), -1, 0};
     if (n == 0) {  // nothing to exchange, once all agree on that
       start_op(desc);
       return;
@@ -654,7 +693,7 @@ class ShmChannel {
     const int64_t n = t.numel();
     const auto opts = t.options();
     start_op({n, static_cast<int64_t>(t.scalar_type()),
-              static_cast<int64_t>(op.offset)});
+              static_cast<int64_t>(op.offset), 0});
     if (n == 0) return;
     auto at = [&](int q, int64_t element) {
       return op.arena->region(q) + op.offset + element * es;
@@ -666,6 +705,27 @@ class ShmChannel {
       auto [qlo, qhi] = slice(n, q);
       std::memcpy(at(rank_, qlo), at(q, qlo),
                   static_cast<std::size_t>((qhi - qlo) * es));
+    }
+    barrier();
+  }
+
+  // An all-gather in a shared buffer: once every rank has arrived (each
+  // has written its part), copies the others' parts from their regions;
+  // the last barrier keeps a rank from writing its buffer again while
+  // another still reads it.
+  void gather_in_place(Op& op) {
+    auto& t = op.tensor;
+    const int64_t es = static_cast<int64_t>(t.element_size());
+    start_op({t.numel(), static_cast<int64_t>(t.scalar_type()),
+              static_cast<int64_t>(op.offset), 1});
+    if (t.numel() == 0) return;
+    for (int q = 0; q < world_; ++q) {
+      const int64_t lo = op.parts[static_cast<std::size_t>(q)];
+      const int64_t hi = op.parts[static_cast<std::size_t>(q) + 1];
+      if (q == rank_ || hi <= lo) continue;
+      std::memcpy(op.arena->region(rank_) + op.offset + lo * es,
+                  op.arena->region(q) + op.offset + lo * es,
+                  static_cast<std::size_t>((hi - lo) * es));
     }
     barrier();
   }
@@ -734,7 +794,7 @@ class ShmChannel {
     const int64_t es = static_cast<int64_t>(t.element_size());
     const int64_t n = t.numel();
     start_op({n, static_cast<int64_t>(t.scalar_type()),
-              static_cast<int64_t>(op.offset)});
+              static_cast<int64_t>(op.offset), 0});
     if (n == 0) return;
     auto at = [&](int q, int64_t element) {
       return op.arena->region(q) + op.offset + element * es;

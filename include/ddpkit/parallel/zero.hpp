@@ -349,7 +349,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   void gather_parameters() {
     if (group_.size() == 1) return;
     dist::CollectiveTag tag("zero parameters");
-    if (gather_by_sum()) return;
+    if (gather_on_host()) return;
     // Elsewhere: broadcasts from each owner in turn.
     for (int r = 0; r < group_.size(); ++r) {
       std::vector<torch::Tensor> chunk;
@@ -368,24 +368,27 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     }
   }
 
-  // Ranks on one host (the shared-memory channel): an all-gather as a sum.
-  // Each chunk runs over consecutive parameters of one dtype, whoever owns
-  // them; a rank writes its own and zeros elsewhere, and the channel's
-  // all-reduce adds them in memory (x + 0 is x exactly). Far faster than
-  // broadcasts through gloo's sockets; over a network it would carry
-  // twice a broadcast's bytes, so it is used only with the channel.
-  bool gather_by_sum() {
-    if (by_sum_ < 0) {  // the same answer on every rank
-      by_sum_ = group_.shm() ? 1 : 0;
+  // Ranks on one host (the shared-memory channel). Each chunk runs over
+  // consecutive parameters of one dtype, whoever owns them; a rank writes
+  // its own into the chunk's shared buffer and the channel's all-gather in
+  // place copies the others' parts from their buffers. Where no shared
+  // buffer could be made, or hosts are joined hierarchically, a rank
+  // writes zeros elsewhere and the channel's all-reduce adds them
+  // (x + 0 is x exactly). Far faster than broadcasts through gloo's
+  // sockets; over a network the sum would carry twice a broadcast's bytes,
+  // so it is used only with the channel.
+  bool gather_on_host() {
+    if (on_host_ < 0) {  // the same answer on every rank
+      on_host_ = group_.shm() ? 1 : 0;
       for (const auto& p : params_) {
         // (the flat buffers are what the channel sees: contiguous)
         if (!p.is_floating_point() ||
             !dist::ShmChannel::eligible(torch::empty({0}, p.options()))) {
-          by_sum_ = 0;
+          on_host_ = 0;
         }
       }
     }
-    if (by_sum_ == 0) return false;
+    if (on_host_ == 0) return false;
     torch::NoGradGuard no_grad;
     if (!gather_buffers_made_) make_gather_buffers();
     const int me = group_.rank();
@@ -405,23 +408,41 @@ class ShardedOptimizer : public torch::optim::Optimizer {
       for (const auto& b : gather_buffers_) {
         if (b.scalar_type() == params_[i].scalar_type() && b.numel() >= numel) {
           flat = b.narrow(0, 0, numel);
-          flat.zero_();
         }
       }
+      // In a shared buffer on one host: an all-gather in place (each rank
+      // reads the others' parts where they wrote them). Otherwise (no
+      // segment, or hosts joined hierarchically) the sum of zero-filled
+      // buffers.
+      const bool in_place = flat.defined() && !group_.shm()->hierarchical();
       if (!flat.defined()) {
         flat = torch::zeros({numel}, params_[i].options());
         gather_bytes_ =
             std::max(gather_bytes_, static_cast<uint64_t>(flat.nbytes()));
+      } else if (!in_place) {
+        flat.zero_();
       }
+      // parts[q]: where rank q's parameters start in the chunk (owners
+      // ascend in parameter order).
+      std::vector<int64_t> parts(static_cast<std::size_t>(group_.size()) + 1,
+                                 0);
       int64_t off = 0;
       for (std::size_t k = i; k < j; ++k) {
         const int64_t n = params_[k].numel();
         if (owner_[k] == me) {
           flat.narrow(0, off, n).copy_(params_[k].detach().reshape({-1}));
         }
+        for (std::size_t q = static_cast<std::size_t>(owner_[k]) + 1;
+             q < parts.size(); ++q) {
+          parts[q] += n;
+        }
         off += n;
       }
-      dist::all_reduce(group_, flat);
+      if (in_place) {
+        dist::all_gather_shared(group_, flat, std::move(parts));
+      } else {
+        dist::all_reduce(group_, flat);
+      }
       off = 0;
       for (std::size_t k = i; k < j; ++k) {
         const int64_t n = params_[k].numel();
@@ -436,7 +457,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     return true;
   }
 
-  // One shared-memory buffer per dtype for gather_by_sum, as large as
+  // One shared-memory buffer per dtype for gather_on_host, as large as
   // its largest chunk: its all-reduces read the other ranks' chunks where
   // they lie (no copies through the channel). Collective, at the first
   // gather on every rank; where a segment cannot be made, chunks are
@@ -497,7 +518,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   std::unique_ptr<torch::optim::Optimizer> full_;  // after consolidate()
   uint64_t gather_bytes_ = 0;
   int64_t gather_chunk_bytes_ = int64_t{4} << 20;
-  int by_sum_ = -1;  // gather_by_sum applies: -1 not yet known
+  int on_host_ = -1;  // gather_on_host applies: -1 not yet known
   bool gather_buffers_made_ = false;
   std::vector<torch::Tensor> gather_buffers_;  // in shared memory
 };
