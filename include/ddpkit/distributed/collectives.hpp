@@ -130,9 +130,10 @@ inline void all_gather_shared(const Group& g, torch::Tensor& t,
         "all_gather_shared: the group has no shared-memory channel");
   }
   const auto id = g.begin_collective("all_gather", &t, t.nbytes());
-  detail::wait(
-      g, g.started(id, g.shm()->all_gather_shared_async(t, std::move(parts))),
-      "all_gather");
+  detail::wait(g,
+               g.started(id, g.shm()->all_gather_shared_async(
+                                 t, std::move(parts), true)),
+               "all_gather");
 }
 
 /// In-place all-reduce of `t` over every rank.

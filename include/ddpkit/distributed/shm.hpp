@@ -345,23 +345,9 @@ class ShmChannel {
     auto work = c10::make_intrusive<detail::ChannelWork>();
     std::size_t offset = 0;
     auto arena = find_arena(t, &offset);
-    Op op{std::move(t), scale, std::move(arena), offset, work};
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!caller_waits || busy_ || !queue_.empty() ||
-          static_cast<int64_t>(op.tensor.nbytes()) > kInlineBytes) {
-        queue_.push_back(std::move(op));
-        cv_.notify_one();
-        return work;
-      }
-      busy_ = true;  // the channel's thread waits until this one is done
-    }
-    run(op);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
-    }
-    cv_.notify_one();
+    const bool small = static_cast<int64_t>(t.nbytes()) <= kInlineBytes;
+    submit(Op{std::move(t), scale, std::move(arena), offset, work, {}},
+           caller_waits && small);
     return work;
   }
 
@@ -373,8 +359,12 @@ class ShmChannel {
   /// the channel's thread, in order with its all-reduces. (ZeRO's
   /// parameters after a step: a sum of zero-filled buffers moved about
   /// four times the bytes.)
+  /// `caller_waits`: the caller waits for it at once; then, found with
+  /// nothing queued or running, it runs on the calling thread (whatever
+  /// its size: it only copies).
   compat::WorkPtr all_gather_shared_async(torch::Tensor t,
-                                          std::vector<int64_t> parts) {
+                                          std::vector<int64_t> parts,
+                                          bool caller_waits = false) {
     std::size_t offset = 0;
     auto arena = find_arena(t, &offset);
     if (!arena || between_.enabled ||
@@ -390,10 +380,9 @@ class ShmChannel {
     }
     operations_.fetch_add(1, std::memory_order_relaxed);
     auto work = c10::make_intrusive<detail::ChannelWork>();
-    Op op{std::move(t), 1.0, std::move(arena), offset, work, std::move(parts)};
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(op));
-    cv_.notify_one();
+    submit(
+        Op{std::move(t), 1.0, std::move(arena), offset, work, std::move(parts)},
+        caller_waits);
     return work;
   }
 
@@ -462,6 +451,27 @@ class ShmChannel {
     c10::intrusive_ptr<detail::ChannelWork> work;
     std::vector<int64_t> parts = {};  // an all-gather's; empty: all-reduce
   };
+
+  // Queues `op` for the channel's thread; with `inline_ok`, runs it on the
+  // calling thread instead when nothing is queued or running (saves two
+  // thread hand-overs for work the caller waits for at once).
+  void submit(Op op, bool inline_ok) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!inline_ok || busy_ || !queue_.empty()) {
+        queue_.push_back(std::move(op));
+        cv_.notify_one();
+        return;
+      }
+      busy_ = true;  // the channel's thread waits until this one is done
+    }
+    run(op);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    cv_.notify_one();
+  }
 
   std::shared_ptr<ShmArena> find_arena(const torch::Tensor& t,
                                        std::size_t* offset) {

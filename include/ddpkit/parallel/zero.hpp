@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <sstream>
@@ -429,9 +430,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
       int64_t off = 0;
       for (std::size_t k = i; k < j; ++k) {
         const int64_t n = params_[k].numel();
-        if (owner_[k] == me) {
-          flat.narrow(0, off, n).copy_(params_[k].detach().reshape({-1}));
-        }
+        if (owner_[k] == me) copy_flat(params_[k], flat, off, true);
         for (std::size_t q = static_cast<std::size_t>(owner_[k]) + 1;
              q < parts.size(); ++q) {
           parts[q] += n;
@@ -446,15 +445,34 @@ class ShardedOptimizer : public torch::optim::Optimizer {
       off = 0;
       for (std::size_t k = i; k < j; ++k) {
         const int64_t n = params_[k].numel();
-        if (owner_[k] != me) {
-          params_[k].detach().copy_(
-              flat.narrow(0, off, n).view(params_[k].sizes()));
-        }
+        if (owner_[k] != me) copy_flat(params_[k], flat, off, false);
         off += n;
       }
       i = j;
     }
     return true;
+  }
+
+  // Parameter `p` into (`to_flat`) or out of `flat` at element `off`: a
+  // memcpy for a contiguous CPU tensor (a char LM has hundreds of small
+  // parameters: tensor views and dispatch cost more than the bytes),
+  // otherwise a copy through views.
+  static void copy_flat(const torch::Tensor& p, torch::Tensor& flat,
+                        int64_t off, bool to_flat) {
+    const int64_t n = p.numel();
+    if (p.device().is_cpu() && flat.device().is_cpu() && p.is_contiguous() &&
+        p.scalar_type() == flat.scalar_type()) {
+      char* f = static_cast<char*>(flat.data_ptr()) + off * p.element_size();
+      char* q = static_cast<char*>(p.data_ptr());
+      const auto bytes = static_cast<std::size_t>(n * p.element_size());
+      to_flat ? std::memcpy(f, q, bytes) : std::memcpy(q, f, bytes);
+      return;
+    }
+    if (to_flat) {
+      flat.narrow(0, off, n).copy_(p.detach().reshape({-1}));
+    } else {
+      p.detach().copy_(flat.narrow(0, off, n).view(p.sizes()));
+    }
   }
 
   // One shared-memory buffer per dtype for gather_on_host, as large as
