@@ -463,15 +463,15 @@ DDPKIT_WORKER(syncbn_rank_dependent) {
 
 // libtorch 1.13 has the fused unscale kernel on CUDA only (see amp_test).
 #if DDPKIT_TORCH_AT_LEAST(2, 0)
-/// AMP through the DDP engine: step 1 has an inf in rank 1's gradients
-/// only (put there after the all-reduce), so both ranks must skip it; step
-/// 2 is clean: its gradients are divided by the (halved) scale.
+/// AMP through the DDP engine (`T_MODE=zero2`: ZeRO-2's, whose ranks hold
+/// and unscale only their own gradient buckets): step 1 has an inf in rank
+/// 1's gradients only (put there after the reduce, in a bucket it owns), so
+/// both ranks must skip it; step 2 is clean: its gradients are divided by
+/// the (halved) scale. Writes the outcome and how many gradients it held.
 DDPKIT_WORKER(amp_unscale) {
   auto g = test::worker_group();
   const int r = g.rank();
   auto net = test::make_net(100);
-  parallel::DDP::engine<test::SmallNet> eng(net, g, parallel::DDPOptions(),
-                                            torch::kCPU);
   parallel::LossScaler scaler(1024.0);
   auto [x, y] = test::global_batch(0, 2 * kPerRank);
   auto xr = x.narrow(0, r * kPerRank, kPerRank);
@@ -479,28 +479,47 @@ DDPKIT_WORKER(amp_unscale) {
   auto scaled = [&](const torch::Tensor& o, const torch::Tensor& t) {
     return test::ce_loss(o, t) * scaler.scale();
   };
-  eng.zero_grad();
-  eng.forward_backward(xr, yr, scaled);
-  if (r == 1) {
-    torch::NoGradGuard no_grad;
-    eng.reducer()->buckets().back().flat[0].fill_(
-        std::numeric_limits<float>::infinity());
+  auto run = [&](auto& eng) {
+    eng.zero_grad();
+    eng.forward_backward(xr, yr, scaled);
+    if (r == 1) {
+      torch::NoGradGuard no_grad;
+      for (auto& b : eng.reducer()->buckets()) {
+        if (!b.flat.defined()) continue;  // ZeRO-2: another rank's
+        b.flat[0].fill_(std::numeric_limits<float>::infinity());
+        break;
+      }
+    }
+    const bool step1 = eng.unscale_and_check(scaler);
+    const double scale1 = scaler.scale();
+    eng.zero_grad();
+    eng.forward_backward(xr, yr, scaled);
+    std::vector<torch::Tensor> before;
+    for (auto& p : net->parameters()) {
+      before.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+    }
+    const bool step2 = eng.unscale_and_check(scaler);
+    double worst = 0;
+    int held = 0;
+    auto params = net->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (!before[i].defined()) continue;
+      ++held;
+      worst =
+          std::max(worst, test::rel_diff(params[i].grad(), before[i] / scale1));
+    }
+    std::ofstream(test::worker_dir() / ("amp" + std::to_string(r)))
+        << step1 << " " << scale1 << " " << step2 << " " << worst << " " << held
+        << " " << params.size();
+  };
+  if (env_or("T_MODE", "ddp") == "zero2") {
+    parallel::ZeRO2::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
+    run(eng);
+  } else {
+    parallel::DDP::engine<test::SmallNet> eng(net, g, parallel::DDPOptions(),
+                                              torch::kCPU);
+    run(eng);
   }
-  const bool step1 = eng.unscale_and_check(scaler);
-  const double scale1 = scaler.scale();
-  eng.zero_grad();
-  eng.forward_backward(xr, yr, scaled);
-  std::vector<torch::Tensor> before;
-  for (auto& p : net->parameters()) before.push_back(p.grad().clone());
-  const bool step2 = eng.unscale_and_check(scaler);
-  double worst = 0;
-  auto params = net->parameters();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    worst =
-        std::max(worst, test::rel_diff(params[i].grad(), before[i] / scale1));
-  }
-  std::ofstream(test::worker_dir() / ("amp" + std::to_string(r)))
-      << step1 << " " << scale1 << " " << step2 << " " << worst;
   return 0;
 }
 
@@ -2274,25 +2293,33 @@ TEST_SUITE("parallel") {
 
 #if DDPKIT_TORCH_AT_LEAST(2, 0)
   TEST_CASE(
-      "DDP engine's AMP unscale: an inf on one rank skips the step on every "
-      "rank; a clean step is divided by the halved scale") {
-    TempDir dir;
-    auto res = run_workers("amp_unscale", 2, dir.str());
-    CAPTURE(res.message);
-    REQUIRE(res.ok());
-    for (int r = 0; r < 2; ++r) {
-      std::ifstream in(dir / ("amp" + std::to_string(r)));
-      int step1 = -1, step2 = -1;
-      double scale1 = 0, worst = 1;
-      in >> step1 >> scale1 >> step2 >> worst;
-      MESSAGE("rank ", r, ": step 1 ", std::string(step1 ? "taken" : "skipped"),
-              ", scale then ", scale1, "; step 2 ",
-              std::string(step2 ? "taken" : "skipped"),
-              ", unscaled gradients off by ", worst);
-      CHECK(step1 == 0);
-      CHECK(scale1 == 512.0);
-      CHECK(step2 == 1);
-      CHECK(worst <= 1e-7);
+      "AMP unscale through the DDP and ZeRO-2 engines: an inf on one rank "
+      "(in ZeRO-2, in its own gradient shard) skips the step on every rank; "
+      "a clean step is divided by the halved scale") {
+    for (const char* mode : {"ddp", "zero2"}) {
+      CAPTURE(mode);
+      TempDir dir;
+      auto res = run_workers("amp_unscale", 2, dir.str(), {{"T_MODE", mode}});
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      for (int r = 0; r < 2; ++r) {
+        std::ifstream in(dir / ("amp" + std::to_string(r)));
+        int step1 = -1, step2 = -1, held = 0, all = 0;
+        double scale1 = 0, worst = 1;
+        in >> step1 >> scale1 >> step2 >> worst >> held >> all;
+        MESSAGE(std::string(mode), " rank ", r, ": step 1 ",
+                std::string(step1 ? "taken" : "skipped"), ", scale then ",
+                scale1, "; step 2 ", std::string(step2 ? "taken" : "skipped"),
+                ", unscaled gradients off by ", worst, " (", held, " of ", all,
+                " gradients held)");
+        CHECK(step1 == 0);
+        CHECK(scale1 == 512.0);
+        CHECK(step2 == 1);
+        CHECK(worst <= 1e-7);
+        CHECK(held > 0);
+        // ZeRO-2: each rank holds only its shard.
+        if (std::string(mode) == "zero2") CHECK(held < all);
+      }
     }
   }
 
