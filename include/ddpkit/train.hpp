@@ -7,6 +7,7 @@
 #include "ddpkit/train/clip.hpp"
 #include "ddpkit/train/evaluation.hpp"
 #include "ddpkit/train/lr.hpp"
+#include "ddpkit/train/memory_format.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"
 #include "ddpkit/train/run_summary.hpp"

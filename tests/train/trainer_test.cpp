@@ -1815,6 +1815,67 @@ TEST_SUITE("train") {
   }
 
   TEST_CASE(
+      "choose_memory_format: times both layouts, leaves the model as it was "
+      "(values, layout, no gradients, the generator's state), picks by the "
+      "margin; a model without 4-D weights stays contiguous, untimed") {
+    torch::manual_seed(4);
+    TinyNet net;  // with dropout: the probe draws from the generator
+    // One step in training mode first, so BatchNorm's statistics are not
+    // their initial values.
+    torch::nn::functional::cross_entropy(
+        net->forward(torch::randn({6, 3, 8, 8})), torch::randint(0, 10, {6}))
+        .backward();
+    for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();
+    std::vector<std::pair<std::string, torch::Tensor>> before;
+    for (const auto& kv : net->named_parameters()) {
+      before.emplace_back(kv.key(), kv.value().detach().clone());
+    }
+    for (const auto& kv : net->named_buffers()) {
+      before.emplace_back(kv.key(), kv.value().detach().clone());
+    }
+    const auto sample = torch::randn({4, 3, 16, 16});
+    torch::manual_seed(9);
+    const auto rng_before = torch::rand({3});  // what the generator gives next
+    torch::manual_seed(9);
+    auto c = train::choose_memory_format(net, sample, train::Precision::fp32,
+                                         torch::kCPU);
+    MESSAGE("contiguous ", c.contiguous_ms, " ms, channels-last ",
+            c.channels_last_ms, " ms: ", c.reason);
+    CHECK(c.contiguous_ms > 0);
+    CHECK(c.channels_last_ms > 0);
+    CHECK(c.reason.find("channels-last took") != std::string::npos);
+    CHECK(torch::rand({3}).equal(rng_before));  // generator as before
+    auto now = net->named_parameters();
+    auto bufs = net->named_buffers();
+    for (const auto& [name, t] : before) {
+      CAPTURE(name);
+      const auto* p = now.find(name);
+      const torch::Tensor cur = p ? *p : bufs[name];
+      CHECK(cur.equal(t));
+      CHECK(cur.is_contiguous());
+      CHECK(!cur.grad().defined());
+    }
+    // The margin decides: channels-last never (it must take no time) or
+    // always (up to 100x slower allowed).
+    CHECK(train::choose_memory_format(net, sample, train::Precision::fp32,
+                                      torch::kCPU, {}, 1, 1.0)
+              .format == torch::MemoryFormat::Contiguous);
+    CHECK(train::choose_memory_format(net, sample, train::Precision::fp32,
+                                      torch::kCPU, {}, 1, -100.0)
+              .format == torch::MemoryFormat::ChannelsLast);
+    // Under bfloat16 autocast too.
+    CHECK(train::choose_memory_format(net, sample, train::Precision::bf16_mixed,
+                                      torch::kCPU, {}, 1)
+              .channels_last_ms > 0);
+    Mlp mlp;
+    auto m = train::choose_memory_format(mlp, torch::randn({2, 3, 32, 32}),
+                                         train::Precision::fp32, torch::kCPU);
+    CHECK(m.format == torch::MemoryFormat::Contiguous);
+    CHECK(m.contiguous_ms == 0);
+    CHECK(m.reason == "no 4-D weights");
+  }
+
+  TEST_CASE(
       "tied weights: a tensor registered under two names trains as if "
       "registered once (stepped once, counted once by clipping)") {
     auto d = accumulation_data();
