@@ -110,6 +110,13 @@ int main(int argc, char** argv) {
         }
         auto split =
             ddpkit::data::split_train_val(train_all, kValRatio, args.seed);
+        // Initial weights from the seed; DDP then broadcasts rank 0's to all.
+        torch::manual_seed(args.seed);
+        ddpkit::nn::CifarNet model(
+            ddpkit::nn::CifarNetOptions(10).dropout(dropout));
+        // --memory-format auto: timed on a batch of the training shape.
+        const std::string layout_reason = ddpkit::cli::resolve_memory_format(
+            args, model, torch::zeros({args.batch_size, 3, 32, 32}), group);
         if (group.is_main() && !args.quiet) {
           std::printf(
               "cifar10 %s: world size %d on %d host%s (transport %s), %zu "
@@ -124,11 +131,10 @@ int main(int argc, char** argv) {
               Mode::is_multi_process ? ", gradients: " : "",
               Mode::is_multi_process ? comm.c_str() : "",
               ddpkit::cli::precision_summary(args).c_str());
+          if (!layout_reason.empty()) {
+            std::printf("memory format auto: %s\n", layout_reason.c_str());
+          }
         }
-        // Initial weights from the seed; DDP then broadcasts rank 0's to all.
-        torch::manual_seed(args.seed);
-        ddpkit::nn::CifarNet model(
-            ddpkit::nn::CifarNetOptions(10).dropout(dropout));
         auto opts = ddpkit::cli::trainer_options(args)
                         .schedule(ddpkit::train::ScheduleOptions()
                                       .kind(ddpkit::train::Schedule::step)

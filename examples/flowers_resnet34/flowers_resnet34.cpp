@@ -139,6 +139,12 @@ int main(int argc, char** argv) {
               folder.classes.size(), root.c_str());
         }
         num_classes = static_cast<int>(folder.classes.size());
+        torch::manual_seed(args.seed);
+        auto model = ddpkit::nn::resnet34(num_classes);
+        // --memory-format auto: timed on a batch of the training shape.
+        const std::string layout_reason = ddpkit::cli::resolve_memory_format(
+            args, model,
+            torch::zeros({args.batch_size, 3, image_size, image_size}), group);
         if (group.is_main() && !args.quiet) {
           std::printf(
               "flowers-resnet34 %s: world size %d on %d host%s (transport %s), "
@@ -150,9 +156,10 @@ int main(int argc, char** argv) {
               Mode::is_multi_process ? group.transport().c_str() : "none",
               folder.train.size(), folder.val.size(), num_classes, image_size,
               ddpkit::cli::precision_summary(args).c_str());
+          if (!layout_reason.empty()) {
+            std::printf("memory format auto: %s\n", layout_reason.c_str());
+          }
         }
-        torch::manual_seed(args.seed);
-        auto model = ddpkit::nn::resnet34(num_classes);
         if (!weights.empty()) {
           // The recipe's transfer-learning step: keep what fits, skip fc if the
           // class count differs.

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/policies.hpp"
+#include "ddpkit/train/memory_format.hpp"
 #include "ddpkit/train/trainer.hpp"
 #include "ddpkit/version.hpp"
 
@@ -183,9 +184,10 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
       ->check(CLI::IsMember({"32", "bf16-mixed", "16-mixed"}))
       ->capture_default_str();
   app.add_option("--memory-format", args.memory_format,
-                 "layout of 4-D weights and inputs: contiguous (NCHW) or "
-                 "channels-last (NHWC)")
-      ->check(CLI::IsMember({"contiguous", "channels-last"}))
+                 "layout of 4-D weights and inputs: contiguous (NCHW), "
+                 "channels-last (NHWC), or auto (the faster of the two for "
+                 "this model, batch, precision and device, timed at start)")
+      ->check(CLI::IsMember({"contiguous", "channels-last", "auto"}))
       ->capture_default_str();
   app.add_flag("--amp,!--no-amp", args.amp,
                "the same as --precision 16-mixed (CUDA only)");
@@ -198,6 +200,21 @@ inline train::Precision precision_of(const CommonArgs& args) {
   }
   return args.precision == "bf16-mixed" ? train::Precision::bf16_mixed
                                         : train::Precision::fp32;
+}
+
+/// `--memory-format auto`: times `model` on `sample` (a batch of the
+/// training input's shape) in both layouts (train::choose_memory_format,
+/// every rank of `group`) and sets `args.memory_format` to the chosen one;
+/// returns why, in words ("" when the flag was not auto).
+template <class Model>
+std::string resolve_memory_format(CommonArgs& args, Model& model,
+                                  const torch::Tensor& sample,
+                                  const dist::Group& group) {
+  if (args.memory_format != "auto") return "";
+  const auto c = train::choose_memory_format(
+      model, sample, precision_of(args), train::default_device(group), group);
+  args.memory_format = train::memory_format_name(c.format);
+  return c.reason;
 }
 
 /// "precision 32, memory format contiguous": the settings an example's

@@ -696,15 +696,37 @@ void train_tied(TiedNet& net, int steps, int world, int rank,
   }
 }
 
+/// A large weight tied (registered again, first in parameters()): counted
+/// twice it would move the ZeRO partition's cut (a.bias to rank 1; each
+/// tensor once, it stays with rank 0), so the reducer's gradient owners
+/// must come from the same de-duplicated partition as the optimizer's.
+struct BigTiedImpl : torch::nn::Module {
+  BigTiedImpl() {
+    a = register_module("a", torch::nn::Linear(64, 64));
+    tied = register_parameter("tied", a->weight);
+    b = register_module("b", torch::nn::Linear(64, 64));
+    head = register_module("head", torch::nn::Linear(64, 5));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x.flatten(1).narrow(1, 0, 64);
+    x = torch::tanh(a(x));
+    x = torch::tanh(torch::nn::functional::linear(x, tied));
+    return head(torch::tanh(b(x)));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, head{nullptr};
+  torch::Tensor tied;
+};
+TORCH_MODULE(BigTied);
+
 /// Tied weights through DDP (`T_MODE=ddp`, the optimizer given each tensor
-/// once), ZeRO-1 (`zero1`) or ZeRO-2 (`zero2`: the engine's optimizer over
-/// `parameters()`, which lists the tied tensor twice), SGD with momentum:
-/// writes the net (`tied{r}.pt`) and the optimizer state bytes kept
-/// (`bytes{r}`).
-DDPKIT_WORKER(zero_tied) {
-  auto g = test::worker_group();
-  const std::string mode = env_or("T_MODE", "ddp");
-  auto net = make_tied(40 + g.rank());
+/// once), ZeRO-1 (`zero1`) or ZeRO-2 (`zero2`: the engine's sharded
+/// optimizer and the reducer's gradient owners, from `parameters()`, which
+/// lists the tied tensor twice), SGD with momentum: writes the net
+/// (`tied{r}.pt`) and the optimizer state bytes kept (`bytes{r}`). A
+/// ShardedOptimizer built directly over `parameters()` must own each
+/// tensor once (exit 9 otherwise). `T_NET=big`: BigTied instead of TiedNet.
+template <class Net>
+int zero_tied_run(Net net, const dist::Group& g, const std::string& mode) {
   auto sgd = [](std::vector<torch::Tensor> p) {
     return std::make_unique<torch::optim::SGD>(
         p, torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -719,16 +741,25 @@ DDPKIT_WORKER(zero_tied) {
       opt.step();
     }
   };
+  {
+    parallel::ShardedOptimizer direct(net->parameters(), sgd, g);
+    std::size_t owned = 0;
+    for (int q = 0; q < g.size(); ++q) owned += direct.owned(q).size();
+    if (owned != parallel::unique_parameters(*net).size() ||
+        owned == net->parameters().size()) {
+      return 9;
+    }
+  }
   uint64_t bytes = 0;
   if (mode == "ddp") {
-    parallel::DDP::engine<TiedNet> eng(net, g, {}, torch::kCPU);
+    parallel::DDP::engine<Net> eng(net, g, {}, torch::kCPU);
     auto opt = sgd(parallel::unique_parameters(*net));
     train(eng, *opt);
     bytes = parallel::optimizer_state_bytes(*opt);
   } else {
     parallel::ZeROOptions zopts;
     zopts.stage(mode == "zero1" ? 1 : 2);
-    parallel::ZeRO2::engine<TiedNet> eng(net, g, zopts, torch::kCPU);
+    parallel::ZeRO2::engine<Net> eng(net, g, zopts, torch::kCPU);
     auto opt = eng.make_optimizer(sgd);
     train(eng, *opt);
     bytes = eng.optimizer_state_bytes();
@@ -737,6 +768,16 @@ DDPKIT_WORKER(zero_tied) {
   torch::save(net, (test::worker_dir() / ("tied" + r + ".pt")).string());
   std::ofstream(test::worker_dir() / ("bytes" + r)) << bytes;
   return 0;
+}
+
+DDPKIT_WORKER(zero_tied) {
+  auto g = test::worker_group();
+  const std::string mode = env_or("T_MODE", "ddp");
+  if (env_or("T_NET", "tied") == "big") {
+    torch::manual_seed(41 + g.rank());
+    return zero_tied_run(BigTied(), g, mode);
+  }
+  return zero_tied_run(make_tied(40 + g.rank()), g, mode);
 }
 
 DDPKIT_WORKER(tied_weights) {
@@ -1914,6 +1955,36 @@ TEST_SUITE("parallel") {
         total += bytes_of(tied, r);
       }
       CHECK(total == whole);  // the tied tensor's momentum once
+    }
+    // A tied weight large enough that counting it twice would move the
+    // partition's cut: the reducer's gradient owners and the optimizer's
+    // shards must still agree.
+    TempDir big_ddp;
+    REQUIRE(run_workers("zero_tied", 2, big_ddp.str(),
+                        {{"T_MODE", "ddp"}, {"T_NET", "big"}})
+                .ok());
+    BigTied big_want;
+    torch::load(big_want, (big_ddp / "tied0.pt").string());
+    const uint64_t big_whole = bytes_of(big_ddp, 0);
+    CHECK(big_whole == (4096 + 64 + 4096 + 64 + 320 + 5) * 4);
+    for (const char* mode : {"zero1", "zero2"}) {
+      CAPTURE(mode);
+      TempDir big;
+      REQUIRE(run_workers("zero_tied", 2, big.str(),
+                          {{"T_MODE", mode}, {"T_NET", "big"}})
+                  .ok());
+      uint64_t total = 0;
+      for (int r = 0; r < 2; ++r) {
+        BigTied got;
+        torch::load(got, (big / ("tied" + std::to_string(r) + ".pt")).string());
+        const double d = test::max_state_diff(*got, *big_want);
+        MESSAGE(std::string(mode), " rank ", r, ": large tied weight ", d,
+                " from DDP; optimizer state ", bytes_of(big, r), " of ",
+                big_whole, " bytes");
+        CHECK(d <= 1e-6);
+        total += bytes_of(big, r);
+      }
+      CHECK(total == big_whole);
     }
   }
 

@@ -283,8 +283,8 @@ class ShmChannel {
         mine, {numel}, [arena](void*) {}, torch::TensorOptions().dtype(dtype));
   }
 
-  /// All-reduces started through the channel (tests use it to see which
-  /// path a collective took).
+  /// Operations (all-reduces and all-gathers) started through the channel
+  /// (tests use it to see which path a collective took).
   std::uint64_t operations_started() const {
     return operations_.load(std::memory_order_relaxed);
   }

@@ -476,8 +476,9 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   }
 
   // One shared-memory buffer per dtype for gather_on_host, as large as
-  // its largest chunk: its all-reduces read the other ranks' chunks where
-  // they lie (no copies through the channel). Collective, at the first
+  // its largest chunk: the channel's all-gather (or, between hosts, its
+  // all-reduce) reads the other ranks' chunks where they lie (no copies
+  // through the channel's slots). Collective, at the first
   // gather on every rank; where a segment cannot be made, chunks are
   // ordinary tensors.
   void make_gather_buffers() {
@@ -713,7 +714,8 @@ struct ZeRO2 {
 
    private:
     // DDP's options with every parameter's gradient owner: the optimizer's
-    // partition (partition_parameters over the module's parameters).
+    // partition (partition_parameters over the module's parameters, each
+    // tensor once), given to every entry of parameters().
     static DDPOptions with_owners(Model& model, const dist::Group& group,
                                   const options_type& zero) {
       if (zero.stage() != 1 && zero.stage() != 2) {

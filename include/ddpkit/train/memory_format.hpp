@@ -6,8 +6,10 @@
 // assumed.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,7 +27,7 @@ namespace ddpkit::train {
 /// What `choose_memory_format` measured and chose.
 struct MemoryFormatChoice {
   torch::MemoryFormat format = torch::MemoryFormat::Contiguous;
-  /// This rank's mean milliseconds of one forward + backward in each
+  /// This rank's best milliseconds of one forward + backward in each
   /// layout (0: not measured).
   double contiguous_ms = 0, channels_last_ms = 0;
   /// Why, in words ("no 4-D weights", "channels-last 0.71x contiguous's
@@ -33,7 +35,8 @@ struct MemoryFormatChoice {
   std::string reason;
 };
 
-/// Times `reps` forward + backward passes (after one warm-up) of `model`
+/// Times `reps` forward + backward passes (after one warm-up each; the
+/// layouts alternated, the best pass of each kept) of `model`
 /// on `sample` (a batch of the model's input, e.g. zeros of the training
 /// batch's shape) in each layout — 4-D parameters, buffers and the input
 /// contiguous, then channels-last — under `precision`'s autocast on
@@ -77,7 +80,8 @@ MemoryFormatChoice choose_memory_format(Model& model,
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   const auto rng = gen.get_state();
   const torch::Tensor x = sample.to(device);
-  auto time_in = [&](torch::MemoryFormat f) {
+  // One forward + backward in layout `f` (the conversion untimed), in ms.
+  auto timed_pass = [&](torch::MemoryFormat f) {
     {
       torch::NoGradGuard no_grad;
       for (auto& t : state) {
@@ -85,49 +89,55 @@ MemoryFormatChoice choose_memory_format(Model& model,
       }
     }
     const torch::Tensor in = x.dim() == 4 ? x.contiguous(f) : x;
-    auto pass = [&] {
-      torch::Tensor out;
-      {
-        std::optional<ddpkit::compat::AutocastGuard> autocast;
-        if (precision != Precision::fp32) {
-          autocast.emplace(ddpkit::compat::AutocastState{
-              true, autocast_dtype(precision), device.type()});
-        }
-        out = data::forward_inputs(model, data::Inputs(in));
-      }
-      out.to(torch::kFloat).sum().backward();
-      parallel::clear_grads(m);
-      if (device.is_cuda()) torch::cuda::synchronize();
-    };
-    pass();  // warm-up: kernels chosen, memory allocated
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < reps; ++i) pass();
+    torch::Tensor out;
+    {
+      std::optional<ddpkit::compat::AutocastGuard> autocast;
+      if (precision != Precision::fp32) {
+        autocast.emplace(ddpkit::compat::AutocastState{
+            true, autocast_dtype(precision), device.type()});
+      }
+      out = data::forward_inputs(model, data::Inputs(in));
+    }
+    out.to(torch::kFloat).sum().backward();
+    if (device.is_cuda()) torch::cuda::synchronize();
     const std::chrono::duration<double, std::milli> d =
         std::chrono::steady_clock::now() - t0;
-    return d.count() / std::max(1, reps);
+    parallel::clear_grads(m);
+    return d.count();
   };
-  c.contiguous_ms = time_in(torch::MemoryFormat::Contiguous);
-  c.channels_last_ms = time_in(torch::MemoryFormat::ChannelsLast);
+  const auto contiguous = torch::MemoryFormat::Contiguous;
+  const auto channels_last = torch::MemoryFormat::ChannelsLast;
+  // A warm-up in each (kernels chosen, memory allocated), then the layouts
+  // alternated, the best pass of each kept (this machine's speed drifts).
+  timed_pass(contiguous);
+  timed_pass(channels_last);
+  c.contiguous_ms = c.channels_last_ms = std::numeric_limits<double>::max();
+  for (int i = 0; i < std::max(1, reps); ++i) {
+    c.contiguous_ms = std::min(c.contiguous_ms, timed_pass(contiguous));
+    c.channels_last_ms =
+        std::min(c.channels_last_ms, timed_pass(channels_last));
+  }
   {
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < state.size(); ++i) state[i].set_data(saved[i]);
   }
   gen.set_state(rng);
   const double ratio = c.channels_last_ms / c.contiguous_ms;
-  int channels_last = ratio <= 1.0 - margin ? 1 : 0;
+  int pick = ratio <= 1.0 - margin ? 1 : 0;
   double rank0_ratio = ratio;
   if (group.size() > 1) {
-    channels_last = dist::all_reduce_value(
-        group, group.rank() == 0 ? channels_last : 0, dist::Reduce::sum);
+    pick = dist::all_reduce_value(group, group.rank() == 0 ? pick : 0,
+                                  dist::Reduce::sum);
     rank0_ratio = dist::all_reduce_value(group, group.rank() == 0 ? ratio : 0.0,
                                          dist::Reduce::sum);
   }
-  c.format = channels_last ? torch::MemoryFormat::ChannelsLast
-                           : torch::MemoryFormat::Contiguous;
+  c.format = pick ? channels_last : contiguous;
   char buf[160];
   std::snprintf(buf, sizeof buf,
                 "channels-last took %.2fx contiguous's time per forward + "
-                "backward on rank 0 (%d passes each; chosen below %.2fx)",
+                "backward on rank 0 (the best of %d alternated passes each; "
+                "chosen below %.2fx)",
                 rank0_ratio, reps, 1.0 - margin);
   c.reason = buf;
   return c;
