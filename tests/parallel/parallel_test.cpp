@@ -1531,7 +1531,8 @@ std::unique_ptr<torch::optim::Optimizer> zero_optimizer(
 }  // namespace
 
 /// 50 steps of SmallNet at world w, DDP (`T_MODE=ddp`, the user's optimizer
-/// over every parameter), ZeRO-1 (`zero`) or ZeRO-2 (`zero2`, clipping
+/// over every parameter; `ddp_fp16`: with the fp16 compression hook), ZeRO-1
+/// (`zero`; `zero_fp16`: over the fp16 hook) or ZeRO-2 (`zero2`, clipping
 /// through the engine's sharded norm): `T_OPT` sgd (momentum, weight
 /// decay) or adamw, `T_ACCUM=1` two micro-batches per step, `T_CLIP=1`
 /// global norm clipped to 0.5. Half way every rank consolidates and rank 0
@@ -1612,6 +1613,17 @@ DDPKIT_WORKER(zero_train) {
     auto opt = eng.make_optimizer(factory);
     run(eng, *opt, [&] { eng.consolidate_optimizer(); });
     bytes = eng.optimizer_state_bytes();
+  } else if (mode == "zero_fp16") {  // ZeRO-1 over DDP's fp16 hook
+    parallel::BasicZeRO1<parallel::Fp16Compression>::engine<test::SmallNet> eng(
+        net, g, {}, torch::kCPU);
+    auto opt = eng.make_optimizer(factory);
+    run(eng, *opt, [&] { eng.consolidate_optimizer(); });
+    bytes = eng.optimizer_state_bytes();
+  } else if (mode == "ddp_fp16") {
+    parallel::DDPFp16::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
+    auto opt = factory(net->parameters());
+    run(eng, *opt, [] {});
+    bytes = parallel::optimizer_state_bytes(*opt);
   } else if (mode == "zero2") {
     parallel::ZeRO2::engine<test::SmallNet> eng(net, g, {}, torch::kCPU);
     auto opt = eng.make_optimizer(factory);
@@ -1986,6 +1998,30 @@ TEST_SUITE("parallel") {
       }
       CHECK(total == big_whole);
     }
+  }
+
+  TEST_CASE(
+      "ZeRO-1 with a compression hook (BasicZeRO1<Fp16Compression>) equals "
+      "DDP with the same hook, which differs from plain DDP") {
+    TempDir plain, ddp16, zero16;
+    REQUIRE(
+        run_workers("zero_train", 2, plain.str(), {{"T_MODE", "ddp"}}).ok());
+    REQUIRE(run_workers("zero_train", 2, ddp16.str(), {{"T_MODE", "ddp_fp16"}})
+                .ok());
+    REQUIRE(
+        run_workers("zero_train", 2, zero16.str(), {{"T_MODE", "zero_fp16"}})
+            .ok());
+    auto want = load_net(ddp16 / "net0.pt", false);
+    const double hook_effect =
+        test::max_state_diff(*load_net(plain / "net0.pt", false), *want);
+    for (int r = 0; r < 2; ++r) {
+      auto got = load_net(zero16 / ("net" + std::to_string(r) + ".pt"), false);
+      const double d = test::max_state_diff(*got, *want);
+      MESSAGE("rank ", r, ": ZeRO-1 + fp16 hook against DDP + fp16 hook ", d,
+              "; DDP + fp16 hook against plain DDP ", hook_effect);
+      CHECK(d <= 1e-6);
+    }
+    CHECK(hook_effect > 1e-6);  // the hook was in effect
   }
 
   TEST_CASE(
