@@ -27,9 +27,21 @@
 //                                      rank its own statistics) or
 //                                      synchronised (SyncBN), side by side,
 //                                      max(2, --rounds) pairs
+//   precision/<model>/world:2/prec:P/fmt:F  the DDP engine under precision
+//                                      32 or bf16-mixed (CPU autocast, as
+//                                      the Trainer runs it) and memory
+//                                      format contiguous or channels_last,
+//                                      with the step's phases (forward,
+//                                      backward, gradient wait, optimizer);
+//                                      models: ResNet-34 at 64/128/224 px,
+//                                      the CIFAR net, the char LM (charlm@T:
+//                                      context T, AdamW). Off by default
+//                                      (long); benchmarks/precision_bench.py
+//                                      runs each entry next to PyTorch's.
 //
 // Launcher flags (before Google Benchmark's): --quick, --sections=a,b,...
-// (overhead, decompose, scaling, buckets, local, order, comm, syncbn),
+// (overhead, decompose, scaling, buckets, local, order, comm, syncbn;
+// precision only when named),
 // --rounds=N,
 // --round-id=K,
 // --worlds=1,2,4,8.
@@ -37,6 +49,7 @@
 
 #include <sstream>
 
+#include "../examples/char_lm/char_model.hpp"
 #include "bench_common.hpp"
 
 namespace b = ddpkit_bench;
@@ -247,10 +260,125 @@ b::Values train(Model model, const dd::Group& g, const b::Args& a) {
   return v;
 }
 
+// ---- precision and memory layout ----
+
+constexpr int64_t kCharVocab = 96;  // printable ASCII and newline, about
+
+/// Rank task `--mode=precision`: the DDP engine on a fixed random batch,
+/// the way the Trainer runs a step: under CPU autocast to bfloat16 when
+/// `--bf16=1` (the loss in float32), with the model's 4-D parameters and
+/// buffers and the batch in channels-last when `--channels_last=1`.
+/// SGD(0.01, momentum 0.9), or AdamW(3e-3, weight decay 0.01) for the
+/// char LM (`--lm=1`: input and target B×T tokens, cross entropy over
+/// every position). Per step: forward (to the loss), backward (including
+/// the wait for the last gradient bucket), that wait, the optimizer.
+template <class Model>
+b::Values precision_train(Model model, const dd::Group& g, const b::Args& a) {
+  const auto dev = b::rank_device(g);
+  const int warmup = static_cast<int>(a.num("warmup", 2));
+  const int steps = static_cast<int>(a.num("steps", 6));
+  const bool bf16 = a.num("bf16", 0) != 0;
+  const bool lm = a.num("lm", 0) != 0;
+  const bool cl = a.num("channels_last", 0) != 0;
+  const auto batch = static_cast<int64_t>(a.num("batch", 16));
+  const auto image = static_cast<int64_t>(a.num("image", 64));
+  torch::manual_seed(1234 + g.rank());
+  torch::Tensor x, y;
+  if (lm) {
+    x = torch::randint(kCharVocab, {batch, image}, torch::kLong);
+    y = torch::randint(kCharVocab, {batch, image}, torch::kLong);
+  } else {
+    x = torch::randn({batch, 3, image, image});
+    y = torch::randint(kClasses, {batch}, torch::kLong);
+  }
+  if (cl) {
+    torch::NoGradGuard ng;
+    for (auto& p : model->parameters()) {
+      if (p.dim() == 4)
+        p.set_data(p.contiguous(torch::MemoryFormat::ChannelsLast));
+    }
+    for (auto& t : model->buffers()) {
+      if (t.dim() == 4)
+        t.set_data(t.contiguous(torch::MemoryFormat::ChannelsLast));
+    }
+    x = x.contiguous(torch::MemoryFormat::ChannelsLast);
+  }
+  x = x.to(dev);
+  y = y.to(dev);
+  dp::DDP::engine<Model> eng(model, g, dp::DDPOptions(), dev);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (lm) {
+    opt = std::make_unique<torch::optim::AdamW>(
+        eng.module()->parameters(),
+        torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
+  } else {
+    opt = std::make_unique<torch::optim::SGD>(
+        eng.module()->parameters(),
+        torch::optim::SGDOptions(0.01).momentum(0.9));
+  }
+  const ddpkit::compat::AutocastState on{true, torch::kBFloat16, at::kCPU};
+  std::vector<double> times, waits, fwd, bwd, optim;
+  b::clock::time_point forward_end;
+  auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
+    forward_end = b::clock::now();
+    auto o = out.to(torch::kFloat32);
+    if (lm) {
+      return torch::nn::functional::cross_entropy(o.reshape({-1, o.size(-1)}),
+                                                  target.reshape(-1));
+    }
+    return torch::nn::functional::cross_entropy(o, target);
+  };
+  dd::barrier(g);
+  for (int i = 0; i < warmup + steps; ++i) {
+    auto t0 = b::clock::now();
+    opt->zero_grad();
+    ddpkit::parallel::StepOutput out;
+    if (bf16) {
+      ddpkit::compat::AutocastGuard guard(on);
+      out = eng.forward_backward(x, y, loss);
+    } else {
+      out = eng.forward_backward(x, y, loss);
+    }
+    auto t1 = b::clock::now();
+    opt->step();
+    b::sync_device(out.loss);
+    auto t2 = b::clock::now();
+    if (i >= warmup) {
+      times.push_back(std::chrono::duration<double>(t2 - t0).count());
+      waits.push_back(eng.last_wait_seconds());
+      fwd.push_back(std::chrono::duration<double>(forward_end - t0).count());
+      bwd.push_back(std::chrono::duration<double>(t1 - forward_end).count());
+      optim.push_back(std::chrono::duration<double>(t2 - t1).count());
+    }
+  }
+  auto v = summarize(times, waits, g.size(), a);
+  v["forward_ms"] = 1e3 * b::median(fwd);
+  v["backward_ms"] = 1e3 * b::median(bwd);
+  v["optimizer_ms"] = 1e3 * b::median(optim);
+  if (lm) v["tokens_per_s"] = v["images_per_s"] * static_cast<double>(image);
+  return v;
+}
+
 int rank_main(int argc, char** argv) {
   b::Args a(argc, argv);
   torch::set_num_threads(static_cast<int>(a.num("threads", 1)));
   auto g = dd::Group::init(dd::read_env());
+  if (a.str("mode", "ddp") == "precision") {
+    const auto name = a.str("model", "resnet34");
+    b::Values v;
+    if (name == "charlm") {
+      v = precision_train(
+          char_lm::CharTransformer(
+              char_lm::CharTransformerOptions(kCharVocab)
+                  .context(static_cast<int64_t>(a.num("image", 64)))),
+          g, a);
+    } else {
+      v = b::with_model(
+          name, [&](auto m) { return precision_train(std::move(m), g, a); });
+    }
+    b::write_values(g, v);
+    return 0;
+  }
   auto v = b::with_model(a.str("model", "resnet18"),
                          [&](auto m) { return train(std::move(m), g, a); });
   b::write_values(g, v);
@@ -437,6 +565,38 @@ void register_all(const b::Args& o) {
             cat(m.args(), {quick ? "--steps=6" : "--steps=12", "--warmup=2",
                            "--mode=ddp", "--sync_bn=" + std::to_string(sync)}),
             b::all_counters);
+      }
+    }
+  }
+  if (("," + sections + ",").find(",precision,") != std::string::npos) {
+    // Not in "all": ResNet-34 at 224 px takes minutes. Each entry once;
+    // benchmarks/precision_bench.py alternates them with PyTorch's.
+    const std::vector<b::ModelSpec> models{{"resnet34", 64, 16},
+                                           {"resnet34", 128, 16},
+                                           {"resnet34", 224, 16},
+                                           {"cifarnet", 32, 64},
+                                           {"charlm", 64, 32}};
+    for (auto& m : models) {
+      const bool lm = m.name == "charlm";
+      const int s = lm || m.name == "cifarnet" ? 20
+                    : m.image >= 224           ? 4
+                    : m.image >= 128           ? 6
+                                               : 10;
+      for (int bf16 : {0, 1}) {
+        for (int cl : {0, 1}) {
+          if (lm && cl) continue;  // no 4-D tensors
+          b::register_world(
+              "precision/" + m.label() +
+                  "/world:2/prec:" + (bf16 ? "bf16-mixed" : "32") +
+                  "/fmt:" + (cl ? "channels_last" : "contiguous"),
+              2,
+              cat(m.args(), {"--mode=precision",
+                             "--steps=" + std::to_string(quick ? 2 : s),
+                             "--warmup=2", "--bf16=" + std::to_string(bf16),
+                             "--channels_last=" + std::to_string(cl),
+                             "--lm=" + std::to_string(lm ? 1 : 0)}),
+              b::all_counters);
+        }
       }
     }
   }

@@ -1,64 +1,150 @@
 #!/usr/bin/env python3
 """PyTorch 2.11's DDP at 32 / bf16-mixed x NCHW / channels-last, for
-scripts/bench-precision.sh's numbers to stand beside.
+ddpkit's numbers to stand beside.
 
-torchvision's resnet34 (5 classes), DistributedDataParallel over gloo on
-loopback, 2 ranks x 1 intra-op thread, batch 16 per rank, SGD(lr 0.01,
-momentum 0.9), cross entropy, one fixed random batch (no data loading:
-ddpkit's script includes its JPEG pipeline, so compare ratios, not images
-per second), torch.autocast("cpu", torch.bfloat16) for bf16-mixed, the
-model and the batch in torch.channels_last for channels-last. The four
-settings alternate within each round; each prints training images per
-second over STEPS steps after 2 warm-up steps.
+DistributedDataParallel over gloo on loopback, 2 ranks x 1 intra-op
+thread, one fixed random batch per rank (no data loading),
+torch.autocast("cpu", torch.bfloat16) for bf16-mixed (the loss in
+float32), the model and the batch in torch.channels_last for
+channels-last. Models: torchvision's resnet34 (10 classes) and the CIFAR
+net, SGD(lr 0.01, momentum 0.9), cross entropy; the char LM (ddpkit's
+examples/char_lm model: the same layers, written out here), AdamW(3e-3,
+weight decay 0.01), cross entropy over every position. Images (sequences)
+per second = world x batch / rank 0's median step time, as
+benchmarks/ddp_bench.cpp's precision section computes them.
 
   .venv/bin/python3 scripts/bench_pytorch_precision.py [SIZE] [STEPS] [ROUNDS]
+      ResNet-34 at SIZE px, batch 16, the four settings alternating
+  .venv/bin/python3 scripts/bench_pytorch_precision.py --one MODEL SIZE BATCH STEPS PREC FMT
+      one setting (MODEL resnet34 | cifarnet | charlm, SIZE the context for
+      charlm; PREC 32 | bf16-mixed; FMT contiguous | channels-last): one
+      JSON line (benchmarks/precision_bench.py runs this)
 """
+import json
+import math
 import os
 import socket
+import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
 import torch.nn.functional as F
-import torchvision
+
+VOCAB = 96  # benchmarks/ddp_bench.cpp's kCharVocab
 
 
-def worker(rank, world, port, size, steps, prec, fmt, queue):
+class Block(nn.Module):
+    """examples/char_lm/char_model.hpp's pre-LayerNorm block."""
+
+    def __init__(self, c, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(c)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.proj = nn.Linear(c, c)
+        self.ln2 = nn.LayerNorm(c)
+        self.mlp = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
+
+    def attn(self, x):
+        b, t, c = x.shape
+        h = self.heads
+        q, k, v = self.qkv(x).view(b, t, 3, h, c // h).permute(2, 0, 3, 1, 4)
+        att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
+        future = torch.ones(t, t, dtype=torch.bool).triu(1)
+        att = torch.softmax(att.masked_fill(future, float("-inf")), -1)
+        return self.proj(torch.matmul(att, v).transpose(1, 2).reshape(b, t, c))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharTransformer(nn.Module):
+    """examples/char_lm's model at its defaults (embed 64, 4 heads, 2 blocks)."""
+
+    def __init__(self, context, c=64, heads=4, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, c)
+        self.pos = nn.Embedding(context, c)
+        self.blocks = nn.Sequential(*[Block(c, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(c)
+        self.head = nn.Linear(c, VOCAB)
+
+    def forward(self, x):
+        pos = torch.arange(x.size(1))
+        return self.head(self.ln_f(self.blocks(self.tok(x) + self.pos(pos))))
+
+
+def make(model_name, size, batch):
+    if model_name == "charlm":
+        return (CharTransformer(size), torch.randint(0, VOCAB, (batch, size)),
+                torch.randint(0, VOCAB, (batch, size)))
+    if model_name == "cifarnet":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_pytorch_ddp import CifarNet
+        model = CifarNet(10)
+    else:
+        import torchvision
+        model = torchvision.models.resnet34(num_classes=10)
+    return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+
+
+def worker(rank, world, port, model_name, size, batch, steps, prec, fmt, queue):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = torchvision.models.resnet34(num_classes=5)
-    x = torch.randn(16, 3, size, size)
-    y = torch.randint(0, 5, (16,))
+    model, x, y = make(model_name, size, batch)
     if fmt == "channels-last":
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    if model_name == "charlm":
+        opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 
     def step():
         opt.zero_grad()
         with torch.autocast("cpu", torch.bfloat16, enabled=prec == "bf16-mixed"):
             out = ddp(x)
-        F.cross_entropy(out.float(), y).backward()
+        F.cross_entropy(out.float().reshape(-1, out.size(-1)), y.reshape(-1)).backward()
         opt.step()
 
     for _ in range(2):
         step()
     dist.barrier()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         step()
+        times.append(time.perf_counter() - t0)
     dist.barrier()
     if rank == 0:
-        queue.put(world * 16 * steps / (time.perf_counter() - t0))
+        queue.put(world * batch / statistics.median(times))
         queue.close()
         queue.join_thread()  # the value is sent before the process ends
     sys.stdout.flush()
     os._exit(0)  # not destroy_process_group: it can deadlock in 2.11
+
+
+def run(model_name, size, batch, steps, prec, fmt):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    ps = [ctx.Process(target=worker,
+                      args=(k, 2, port, model_name, size, batch, steps, prec, fmt, q))
+          for k in range(2)]
+    for p in ps:
+        p.start()
+    ips = q.get()
+    for p in ps:
+        p.join()
+    return ips
 
 
 def free_port():
@@ -68,26 +154,31 @@ def free_port():
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        if len(sys.argv) != 8:
+            sys.exit("usage: bench_pytorch_precision.py --one MODEL SIZE BATCH STEPS PREC FMT")
+        m, size, batch, steps, prec, fmt = sys.argv[2:]
+        if m not in ("resnet34", "cifarnet", "charlm") or prec not in ("32", "bf16-mixed") \
+                or fmt not in ("contiguous", "channels-last"):
+            sys.exit(f"bench_pytorch_precision: unknown model {m!r}, precision {prec!r} "
+                     "or format {fmt!r} (expected resnet34|cifarnet|charlm, 32|bf16-mixed, "
+                     "contiguous|channels-last)")
+        ips = run(m, int(size), int(batch), int(steps), prec, fmt)
+        print(json.dumps({"torch": torch.__version__, "model": m, "size": int(size),
+                          "batch": int(batch), "precision": prec, "format": fmt,
+                          "images_per_s": ips}), flush=True)
+        return
     size = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     print(f"PyTorch {torch.__version__} DDP resnet34: {size} px, batch 16 x 2 ranks "
           f"x 1 thread, {steps} steps after 2 warm-up", flush=True)
-    ctx = mp.get_context("spawn")
     settings = [("32", "contiguous"), ("bf16-mixed", "contiguous"),
                 ("32", "channels-last"), ("bf16-mixed", "channels-last")]
     for r in range(1, rounds + 1):
         base = None
         for prec, fmt in settings:
-            q = ctx.Queue()
-            port = free_port()
-            ps = [ctx.Process(target=worker, args=(k, 2, port, size, steps, prec, fmt, q))
-                  for k in range(2)]
-            for p in ps:
-                p.start()
-            ips = q.get()
-            for p in ps:
-                p.join()
+            ips = run("resnet34", size, 16, steps, prec, fmt)
             base = base or ips
             print(f"round {r}  {prec:<11} {fmt:<14} {ips:8.2f} images/s  x{ips / base:.2f}",
                   flush=True)

@@ -115,6 +115,11 @@ int main(int argc, char** argv) {
         // Initial weights from the seed; DDP then broadcasts rank 0's to all.
         torch::manual_seed(args.seed);
         char_lm::CharTransformer model(model_opts.vocab(vocab.size()));
+        // --precision auto (and --memory-format auto: no 4-D weights, so
+        // contiguous untimed).
+        const std::string auto_reason = ddpkit::cli::resolve_auto_settings(
+            args, model, torch::zeros({args.batch_size, context}, torch::kLong),
+            group);
         if (group.is_main() && !args.quiet) {
           std::printf(
               "char_lm %s: world size %d, %zu train / %zu val windows of "
@@ -125,6 +130,7 @@ int main(int argc, char** argv) {
               static_cast<long long>(vocab.size()), path.c_str(),
               static_cast<long long>(char_lm::parameter_count(model)),
               ddpkit::cli::precision_summary(args, /*layout=*/false).c_str());
+          if (!auto_reason.empty()) std::printf("%s\n", auto_reason.c_str());
         }
         auto opts = ddpkit::cli::trainer_options(args).run_name("char-lm");
         auto parallel = ddpkit::cli::mode_options<Mode>(args);

@@ -114,8 +114,9 @@ int main(int argc, char** argv) {
         torch::manual_seed(args.seed);
         ddpkit::nn::CifarNet model(
             ddpkit::nn::CifarNetOptions(10).dropout(dropout));
-        // --memory-format auto: timed on a batch of the training shape.
-        const std::string layout_reason = ddpkit::cli::resolve_memory_format(
+        // --precision / --memory-format auto (the layout timed on a batch of
+        // the training shape).
+        const std::string auto_reason = ddpkit::cli::resolve_auto_settings(
             args, model, torch::zeros({args.batch_size, 3, 32, 32}), group);
         if (group.is_main() && !args.quiet) {
           std::printf(
@@ -131,9 +132,7 @@ int main(int argc, char** argv) {
               Mode::is_multi_process ? ", gradients: " : "",
               Mode::is_multi_process ? comm.c_str() : "",
               ddpkit::cli::precision_summary(args).c_str());
-          if (!layout_reason.empty()) {
-            std::printf("memory format auto: %s\n", layout_reason.c_str());
-          }
+          if (!auto_reason.empty()) std::printf("%s\n", auto_reason.c_str());
         }
         auto opts = ddpkit::cli::trainer_options(args)
                         .schedule(ddpkit::train::ScheduleOptions()

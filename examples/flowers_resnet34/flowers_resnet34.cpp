@@ -141,8 +141,9 @@ int main(int argc, char** argv) {
         num_classes = static_cast<int>(folder.classes.size());
         torch::manual_seed(args.seed);
         auto model = ddpkit::nn::resnet34(num_classes);
-        // --memory-format auto: timed on a batch of the training shape.
-        const std::string layout_reason = ddpkit::cli::resolve_memory_format(
+        // --precision / --memory-format auto (the layout timed on a batch of
+        // the training shape).
+        const std::string auto_reason = ddpkit::cli::resolve_auto_settings(
             args, model,
             torch::zeros({args.batch_size, 3, image_size, image_size}), group);
         if (group.is_main() && !args.quiet) {
@@ -156,9 +157,7 @@ int main(int argc, char** argv) {
               Mode::is_multi_process ? group.transport().c_str() : "none",
               folder.train.size(), folder.val.size(), num_classes, image_size,
               ddpkit::cli::precision_summary(args).c_str());
-          if (!layout_reason.empty()) {
-            std::printf("memory format auto: %s\n", layout_reason.c_str());
-          }
+          if (!auto_reason.empty()) std::printf("%s\n", auto_reason.c_str());
         }
         if (!weights.empty()) {
           // The recipe's transfer-learning step: keep what fits, skip fc if the

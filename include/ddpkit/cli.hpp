@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/policies.hpp"
+#include "ddpkit/train/auto_settings.hpp"
 #include "ddpkit/train/memory_format.hpp"
 #include "ddpkit/train/trainer.hpp"
 #include "ddpkit/version.hpp"
@@ -43,7 +44,8 @@ struct CommonArgs {
   std::int64_t progress_every_n_steps = 0;  ///< plain progress lines (no tty)
   double progress_every_seconds = 30;       ///< plain progress lines (no tty)
   bool amp = false;                         ///< --amp: --precision 16-mixed
-  std::string precision = "32";  ///< --precision 32|bf16-mixed|16-mixed
+  /// --precision auto|32|bf16-mixed|16-mixed (auto: resolve_auto_settings)
+  std::string precision = "auto";
   std::string memory_format = "contiguous";  ///< --memory-format
   int accumulate = 1;                        ///< batches per optimizer step
   double clip_grad_norm = 0;          ///< clip by global L2 norm (0: off)
@@ -178,22 +180,26 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--precision", args.precision,
-                 "32 (float32), bf16-mixed (bfloat16 autocast, CPU and CUDA; "
-                 "fast on CPUs with AVX512-BF16 or AMX) or 16-mixed (float16 "
-                 "autocast and dynamic loss scaling, CUDA only)")
-      ->check(CLI::IsMember({"32", "bf16-mixed", "16-mixed"}))
+                 "auto (bf16-mixed on a CUDA device with native bfloat16 or a "
+                 "CPU with AMX, else 32; a resumed run keeps its "
+                 "checkpoint's), 32 (float32), bf16-mixed (bfloat16 "
+                 "autocast, CPU and CUDA) or 16-mixed (float16 autocast and "
+                 "dynamic loss scaling, CUDA only)")
+      ->check(CLI::IsMember({"auto", "32", "bf16-mixed", "16-mixed"}))
       ->capture_default_str();
   app.add_option("--memory-format", args.memory_format,
                  "layout of 4-D weights and inputs: contiguous (NCHW), "
                  "channels-last (NHWC), or auto (the faster of the two for "
-                 "this model, batch, precision and device, timed at start)")
+                 "this model, batch, precision and device, timed at start; a "
+                 "resumed run keeps its checkpoint's)")
       ->check(CLI::IsMember({"contiguous", "channels-last", "auto"}))
       ->capture_default_str();
   app.add_flag("--amp,!--no-amp", args.amp,
                "the same as --precision 16-mixed (CUDA only)");
 }
 
-/// `--precision`'s value as a `Precision` (`--amp` is 16-mixed).
+/// `--precision`'s value as a `Precision` (`--amp` is 16-mixed; "auto"
+/// before resolve_auto_settings counts as 32).
 inline train::Precision precision_of(const CommonArgs& args) {
   if (args.amp || args.precision == "16-mixed") {
     return train::Precision::fp16_mixed;
@@ -202,19 +208,74 @@ inline train::Precision precision_of(const CommonArgs& args) {
                                         : train::Precision::fp32;
 }
 
-/// `--memory-format auto`: times `model` on `sample` (a batch of the
-/// training input's shape) in both layouts (train::choose_memory_format,
-/// every rank of `group`) and sets `args.memory_format` to the chosen one;
-/// returns why, in words ("" when the flag was not auto).
+/// `--precision auto` and `--memory-format auto`, resolved alike on every
+/// rank of `group` (each rank must call it; rank 0 decides): a run that
+/// resumes (`--resume`) takes what its checkpoint recorded
+/// (train::recorded_settings), so it continues as it began; otherwise the
+/// precision follows the hardware (train::auto_precision, on the device
+/// the run trains on) and the layout is timed on `sample`, a batch of the
+/// training input's shape (train::choose_memory_format, at the resolved
+/// precision). Sets `args.precision` / `args.memory_format` to the chosen
+/// values and returns why, one line per setting resolved ("" when neither
+/// was auto).
 template <class Model>
-std::string resolve_memory_format(CommonArgs& args, Model& model,
+std::string resolve_auto_settings(CommonArgs& args, Model& model,
                                   const torch::Tensor& sample,
                                   const dist::Group& group) {
-  if (args.memory_format != "auto") return "";
-  const auto c = train::choose_memory_format(
-      model, sample, precision_of(args), train::default_device(group), group);
-  args.memory_format = train::memory_format_name(c.format);
-  return c.reason;
+  if (args.amp && args.precision == "auto") args.precision = "16-mixed";
+  const bool precision_auto = args.precision == "auto";
+  const bool layout_auto = args.memory_format == "auto";
+  if (!precision_auto && !layout_auto) return "";
+  // Rank 0 reads the checkpoint; the codes travel to every rank.
+  struct Codes {
+    int precision = -1;  // a train::Precision, -1: not recorded / not auto
+    int layout = -1;     // 0 contiguous, 1 channels-last, -1 as above
+  } codes;
+  std::string from;
+  if (group.rank() == 0) {
+    if (auto r = train::recorded_settings(args.resume, args.out)) {
+      from = r->path.string();
+      if (auto p = train::precision_from_name(r->precision);
+          p && precision_auto) {
+        codes.precision = static_cast<int>(*p);
+      }
+      if (layout_auto && (r->memory_format == "contiguous" ||
+                          r->memory_format == "channels-last")) {
+        codes.layout = r->memory_format == "channels-last" ? 1 : 0;
+      }
+    }
+  }
+  if (group.size() > 1) codes = dist::broadcast_value(group, codes, 0);
+  std::string why;
+  const torch::Device device = train::default_device(group);
+  if (precision_auto) {
+    if (codes.precision >= 0) {
+      why = "precision auto: as the run being resumed trained (" + from + ")";
+    } else {
+      const auto c = train::auto_precision(device);
+      codes.precision = static_cast<int>(c.precision);
+      if (group.size() > 1) {
+        codes.precision = dist::broadcast_value(group, codes.precision, 0);
+      }
+      why = "precision auto: " + c.reason;
+    }
+    args.precision =
+        train::precision_name(static_cast<train::Precision>(codes.precision));
+  }
+  if (layout_auto) {
+    if (!why.empty()) why += "\n";
+    if (codes.layout >= 0) {
+      args.memory_format = codes.layout == 1 ? "channels-last" : "contiguous";
+      why +=
+          "memory format auto: as the run being resumed trained (" + from + ")";
+    } else {
+      const auto c = train::choose_memory_format(
+          model, sample, precision_of(args), device, group);
+      args.memory_format = train::memory_format_name(c.format);
+      why += "memory format auto: " + c.reason;
+    }
+  }
+  return why;
 }
 
 /// "precision 32, memory format contiguous": the settings an example's
@@ -331,6 +392,7 @@ std::optional<int> finish_args(CommonArgs& args, const std::string& example) {
                  args.world_size, example.c_str(), Mode::name);
     return 2;
   }
+  if (args.amp && args.precision == "auto") args.precision = "16-mixed";
   if (args.amp && args.precision != "32" && args.precision != "16-mixed") {
     std::fprintf(stderr,
                  "error: --amp means --precision 16-mixed, but --precision "

@@ -3,6 +3,7 @@
 // checkpoints, metrics files and progress.
 #pragma once
 
+#include "ddpkit/train/auto_settings.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/clip.hpp"
 #include "ddpkit/train/evaluation.hpp"

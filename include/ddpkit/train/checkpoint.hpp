@@ -405,7 +405,8 @@ inline std::string fingerprint_difference(const std::string& before,
 ///
 /// Keys: format, format_version, torch_version, model, optimizer,
 /// epochs_done, best, best_epoch, bad_epochs, monitor, monitor_mode,
-/// world_size, seed, data_size, data_fingerprint, loss_scale, global_step, history, history_columns,
+/// world_size, seed, data_size, data_fingerprint, precision, memory_format,
+/// loss_scale, global_step, history, history_columns,
 /// rng_cpu, epoch_batches_done, and in mid-epoch checkpoints epoch_sums
 /// ([loss sum, samples, task sums...] over all ranks) and rng_cpu_ranks.
 /// Format 3 checkpoints (before tasks) have best_val_acc for best, no
@@ -425,6 +426,9 @@ struct TrainingState {
   /// dataset without one) when written; none in checkpoints before them.
   std::optional<std::int64_t> data_size;
   std::string data_fingerprint;
+  /// The writer's precision ("32", "bf16-mixed", "16-mixed") and memory
+  /// format ("contiguous", "channels-last"); "" in checkpoints before them.
+  std::string precision, memory_format;
   double loss_scale = 1;
   /// Batches trained so far (TensorBoard's step axis); 0 when the
   /// checkpoint predates it (format 2).
@@ -458,6 +462,8 @@ struct TrainingState {
       archive.write("data_size", *data_size);
       archive.write("data_fingerprint", data_fingerprint);
     }
+    if (!precision.empty()) archive.write("precision", precision);
+    if (!memory_format.empty()) archive.write("memory_format", memory_format);
     archive.write("loss_scale", loss_scale);
     archive.write("global_step", global_step);
     archive.write("epoch_batches_done", epoch_batches_done);
@@ -512,6 +518,12 @@ struct TrainingState {
       r.data_size = read_checkpoint_int(archive, "data_size", file, 0, kMax);
       r.data_fingerprint =
           read_checkpoint_string(archive, "data_fingerprint", file);
+    }
+    if (archive.try_read("precision", v)) {
+      r.precision = read_checkpoint_string(archive, "precision", file);
+    }
+    if (archive.try_read("memory_format", v)) {
+      r.memory_format = read_checkpoint_string(archive, "memory_format", file);
     }
     if (archive.try_read("global_step", v)) {
       r.global_step =

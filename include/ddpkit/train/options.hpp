@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <torch/torch.h>
@@ -51,6 +52,15 @@ inline const char* precision_name(Precision p) {
     case Precision::fp16_mixed: return "16-mixed";
     default: return "32";
   }
+}
+
+/// The precision a name ("32", "bf16-mixed", "16-mixed") means; nullopt
+/// for any other string.
+inline std::optional<Precision> precision_from_name(const std::string& s) {
+  if (s == "32") return Precision::fp32;
+  if (s == "bf16-mixed") return Precision::bf16_mixed;
+  if (s == "16-mixed") return Precision::fp16_mixed;
+  return std::nullopt;
 }
 
 /// The autocast dtype of a mixed precision (float32 for "32").
@@ -100,8 +110,9 @@ struct TrainerOptions {
   /// or with another training set (its size, or the `fingerprint()` of
   /// ImageFiles / ImageTensors: file names, labels and sizes; shape,
   /// labels and the images' first and last 64 KiB) is refused (the
-  /// sampler's order and each rank's share would change); true resumes
-  /// anyway and says what changed.
+  /// sampler's order and each rank's share would change), and so is one
+  /// written with another precision or memory format (the continuation
+  /// would round differently); true resumes anyway and says what changed.
   TORCH_ARG(bool, resume_allow_changes) = false;
   /// Cap on steps per epoch (0: no cap), for smoke runs and benchmarks.
   TORCH_ARG(int64_t, max_steps) = 0;

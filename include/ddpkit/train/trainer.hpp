@@ -1029,6 +1029,8 @@ class Trainer : private CheckpointWriter {
     t.seed = static_cast<int64_t>(options_.seed());
     t.data_size = data_size_;
     t.data_fingerprint = data_fingerprint_;
+    t.precision = precision_name(options_.precision());
+    t.memory_format = memory_format_name(options_.memory_format());
     t.loss_scale = scaler_.scale();
     t.global_step = s.global_step;
     t.history = s.history;
@@ -1240,6 +1242,19 @@ class Trainer : private CheckpointWriter {
                      per_class.empty() ? "files renamed, replaced or relabelled"
                                        : per_class,
                      ")");
+    }
+    const std::string precision = precision_name(options_.precision());
+    if (!state.precision.empty() && state.precision != precision) {
+      changes += cat(changes.empty() ? "" : "; ", "precision ", state.precision,
+                     " -> ", precision,
+                     " (the continuation rounds "
+                     "differently from the original run)");
+    }
+    const std::string layout = memory_format_name(options_.memory_format());
+    if (!state.memory_format.empty() && state.memory_format != layout) {
+      changes += cat(changes.empty() ? "" : "; ", "memory format ",
+                     state.memory_format, " -> ", layout,
+                     " (other kernels: the continuation rounds differently)");
     }
     if (changes.empty()) return;
     if (!options_.resume_allow_changes()) {
