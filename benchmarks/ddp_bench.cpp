@@ -316,7 +316,7 @@ b::Values precision_train(Model model, const dd::Group& g, const b::Args& a) {
         eng.module()->parameters(),
         torch::optim::SGDOptions(0.01).momentum(0.9));
   }
-  const ddpkit::compat::AutocastState on{true, torch::kBFloat16, at::kCPU};
+  const ddpkit::compat::AutocastState on{true, torch::kBFloat16, dev.type()};
   std::vector<double> times, waits, fwd, bwd, optim;
   b::clock::time_point forward_end;
   auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {

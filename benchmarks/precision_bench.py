@@ -14,7 +14,7 @@ a fixed random batch per rank (no data loading), CPU autocast to bfloat16
 for bf16-mixed, model and batch in channels-last for channels-last.
 Throughput on both sides is world x batch / rank 0's median step time.
 The runs alternate: within a round every setting runs ddpkit then PyTorch,
-odd rounds PyTorch first and the settings in reverse order, so this
+even rounds PyTorch first and the settings in reverse order, so this
 machine's drift falls on both sides alike. It prints, per model, a table
 of images (sequences) per second, ddpkit / PyTorch, each setting over 32
 contiguous (per side), and ddpkit's step by phase: forward, backward (with

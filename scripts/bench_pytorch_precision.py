@@ -141,7 +141,13 @@ def run(model_name, size, batch, steps, prec, fmt):
           for k in range(2)]
     for p in ps:
         p.start()
-    ips = q.get()
+    try:
+        ips = q.get(timeout=3600)  # a dead worker must not hang the caller
+    except Exception:
+        for p in ps:
+            p.kill()
+        sys.exit(f"bench_pytorch_precision: {model_name} {prec} {fmt}: no result "
+                 f"(worker exit codes {[p.exitcode for p in ps]})")
     for p in ps:
         p.join()
     return ips
@@ -161,7 +167,7 @@ def main():
         if m not in ("resnet34", "cifarnet", "charlm") or prec not in ("32", "bf16-mixed") \
                 or fmt not in ("contiguous", "channels-last"):
             sys.exit(f"bench_pytorch_precision: unknown model {m!r}, precision {prec!r} "
-                     "or format {fmt!r} (expected resnet34|cifarnet|charlm, 32|bf16-mixed, "
+                     f"or format {fmt!r} (expected resnet34|cifarnet|charlm, 32|bf16-mixed, "
                      "contiguous|channels-last)")
         ips = run(m, int(size), int(batch), int(steps), prec, fmt)
         print(json.dumps({"torch": torch.__version__, "model": m, "size": int(size),

@@ -184,7 +184,9 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                  "CPU with AMX, else 32; a resumed run keeps its "
                  "checkpoint's), 32 (float32), bf16-mixed (bfloat16 "
                  "autocast, CPU and CUDA) or 16-mixed (float16 autocast and "
-                 "dynamic loss scaling, CUDA only)")
+                 "dynamic loss scaling, CUDA only); the environment "
+                 "variable DDPKIT_PRECISION sets it when the flag is absent")
+      ->envname("DDPKIT_PRECISION")
       ->check(CLI::IsMember({"auto", "32", "bf16-mixed", "16-mixed"}))
       ->capture_default_str();
   app.add_option("--memory-format", args.memory_format,
@@ -232,12 +234,17 @@ std::string resolve_auto_settings(CommonArgs& args, Model& model,
     int layout = -1;     // 0 contiguous, 1 channels-last, -1 as above
   } codes;
   std::string from;
+  bool predates = false;  // a checkpoint from before the keys existed
   if (group.rank() == 0) {
     if (auto r = train::recorded_settings(args.resume, args.out)) {
       from = r->path.string();
       if (auto p = train::precision_from_name(r->precision);
           p && precision_auto) {
         codes.precision = static_cast<int>(*p);
+      } else if (r->precision.empty() && precision_auto) {
+        // Written before checkpoints recorded it, when 32 was the default.
+        codes.precision = static_cast<int>(train::Precision::fp32);
+        predates = true;
       }
       if (layout_auto && (r->memory_format == "contiguous" ||
                           r->memory_format == "channels-last")) {
@@ -245,12 +252,19 @@ std::string resolve_auto_settings(CommonArgs& args, Model& model,
       }
     }
   }
+  dist::CollectiveTag tag("auto settings");
   if (group.size() > 1) codes = dist::broadcast_value(group, codes, 0);
   std::string why;
   const torch::Device device = train::default_device(group);
   if (precision_auto) {
     if (codes.precision >= 0) {
-      why = "precision auto: as the run being resumed trained (" + from + ")";
+      why = predates ? "precision auto: 32, as the run being resumed trained "
+                       "(" +
+                           from +
+                           " records no precision: it was written when 32 "
+                           "was the default)"
+                     : "precision auto: as the run being resumed trained (" +
+                           from + ")";
     } else {
       const auto c = train::auto_precision(device);
       codes.precision = static_cast<int>(c.precision);

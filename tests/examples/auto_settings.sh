@@ -12,6 +12,10 @@
 #     --resume-allow-changes, which says what changed.
 set -uo pipefail
 out=$1 bin=$2
+# The CPU's rule is tested (a visible GPU would be the training device),
+# and the default, not an environment's choice.
+unset DDPKIT_PRECISION
+export CUDA_VISIBLE_DEVICES=
 here=$(dirname "$0")
 fail() { echo "FAIL: $*"; exit 1; }
 rm -rf "$out" "$out-2"

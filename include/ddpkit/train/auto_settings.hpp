@@ -29,12 +29,13 @@ struct PrecisionChoice {
 /// The precision to train with on `device` when none is asked for:
 /// bf16-mixed where bfloat16 is native and fast — a CUDA device whose
 /// cuDNN takes bfloat16 convolutions (compute capability 8.0 on), or a CPU
-/// with AMX (`amx_bf16` in /proc/cpuinfo: PyTorch measured ResNet-34 at
-/// 128 px 2.4x faster in bf16 + channels-last there) — else 32. A CPU with
-/// AVX512-BF16 but no AMX gets 32: bfloat16 autocast measured 0.73x
-/// float32's speed on one such CPU (Intel) and 1.3-1.7x on another (AMD),
-/// docs/BENCHMARKS.md; ask for bf16-mixed there when it pays. 16-mixed is
-/// never chosen (it needs a loss scale; ask for it).
+/// with AMX (`amx_bf16` in /proc/cpuinfo; PyTorch 2.11 trained ResNet-34
+/// at 128 px 2.4x faster in bf16 + channels-last on one, a measurement
+/// quoted in issue 32, not repeated by ddpkit: no AMX machine since) —
+/// else 32. A CPU with AVX512-BF16 but no AMX gets 32: bfloat16 autocast
+/// measured 0.67-0.95x float32's speed on two such Intel CPUs and 1.3-1.7x
+/// on an AMD one (docs/BENCHMARKS.md); ask for bf16-mixed where it pays.
+/// 16-mixed is never chosen (it needs a loss scale; ask for it).
 inline PrecisionChoice auto_precision(torch::Device device) {
   if (device.is_cuda()) {
     if (at::detail::getCUDAHooks().supportsBFloat16ConvolutionWithCuDNNv8()) {
@@ -54,7 +55,7 @@ inline PrecisionChoice auto_precision(torch::Device device) {
   if (ddpkit::detail::cpu_has_flag("avx512_bf16")) {
     return {Precision::fp32,
             "this CPU has AVX512-BF16 but no AMX; bfloat16 autocast measured "
-            "0.73x to 1.7x float32's speed on such CPUs (docs/BENCHMARKS.md), "
+            "0.67x to 1.7x float32's speed on such CPUs (docs/BENCHMARKS.md), "
             "so float32; --precision bf16-mixed to try it"};
   }
   return {Precision::fp32,
@@ -70,30 +71,38 @@ struct RecordedSettings {
 
 /// The settings recorded in the checkpoint a resume (`resume`: a path or
 /// "auto", as TrainerOptions::resume; `out`: the run's folder) would start
-/// from: for "auto", last.pt, or last-prev.pt when last.pt is missing.
-/// nullopt when `resume` is empty, there is no such checkpoint, or it
-/// cannot be read (the Trainer's resume then says why, or falls back).
+/// from: for "auto", last.pt, or last-prev.pt when last.pt is missing or
+/// cannot be read (as the Trainer's resume falls back). nullopt when
+/// `resume` is empty, there is no such checkpoint, or it cannot be read
+/// (the Trainer's resume then says why). Never throws. Reads the whole
+/// checkpoint (the Trainer reads it again to resume).
 inline std::optional<RecordedSettings> recorded_settings(
-    const std::string& resume, const std::filesystem::path& out) {
+    const std::string& resume, const std::filesystem::path& out) noexcept {
   namespace fs = std::filesystem;
-  if (resume.empty()) return std::nullopt;
-  fs::path path = resume;
-  if (resume == "auto") {
-    path = last_checkpoint(out);
-    if (!fs::is_regular_file(path)) path = previous_checkpoint(out);
-  }
-  if (!fs::is_regular_file(path)) return std::nullopt;
-  try {
-    const Checkpoint c = open_checkpoint(path);
-    RecordedSettings r{path, "", ""};
-    c10::IValue v;
-    if (c.try_read("precision", v) && v.isString())
-      r.precision = v.toStringRef();
-    if (c.try_read("memory_format", v) && v.isString()) {
-      r.memory_format = v.toStringRef();
+  auto read = [](const fs::path& path) -> std::optional<RecordedSettings> {
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) return std::nullopt;
+    try {
+      const Checkpoint c = open_checkpoint(path);
+      RecordedSettings r{path, "", ""};
+      c10::IValue v;
+      if (c.try_read("precision", v) && v.isString()) {
+        r.precision = v.toStringRef();
+      }
+      if (c.try_read("memory_format", v) && v.isString()) {
+        r.memory_format = v.toStringRef();
+      }
+      return r;
+    } catch (const std::exception&) {
+      return std::nullopt;
     }
-    return r;
-  } catch (const std::exception&) {
+  };
+  try {
+    if (resume.empty()) return std::nullopt;
+    if (resume != "auto") return read(resume);
+    if (auto r = read(last_checkpoint(out))) return r;
+    return read(previous_checkpoint(out));
+  } catch (...) {
     return std::nullopt;
   }
 }

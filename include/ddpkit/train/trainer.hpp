@@ -1250,8 +1250,15 @@ class Trainer : private CheckpointWriter {
                      " (the continuation rounds "
                      "differently from the original run)");
     }
+    // A layout changes nothing for a model without 4-D tensors.
+    bool four_d = false;
+    for (const auto& p : parallel::as_module(engine_.module()).parameters())
+      four_d = four_d || p.dim() == 4;
+    for (const auto& b : parallel::as_module(engine_.module()).buffers())
+      four_d = four_d || b.dim() == 4;
     const std::string layout = memory_format_name(options_.memory_format());
-    if (!state.memory_format.empty() && state.memory_format != layout) {
+    if (four_d && !state.memory_format.empty() &&
+        state.memory_format != layout) {
       changes += cat(changes.empty() ? "" : "; ", "memory format ",
                      state.memory_format, " -> ", layout,
                      " (other kernels: the continuation rounds differently)");
