@@ -1,17 +1,25 @@
 // Training throughput of ddpkit's ResNet-34 on one device, on synthetic
 // tensors: the flowers recipe's step (SGD momentum 0.9, weight decay 0.005,
-// cross-entropy, 5 classes) through ddpkit's SingleDevice engine, in float32
-// or with AMP (float16 autocast and ddpkit's LossScaler). The PyTorch twin is
-// scripts/gpu_pytorch_baseline.py; scripts/gpu-check.sh runs both.
+// cross-entropy, 5 classes) through ddpkit's SingleDevice engine, in float32,
+// 16-mixed (float16 autocast and ddpkit's LossScaler; --amp is its alias) or
+// bf16-mixed (bfloat16 autocast, no scaler), NCHW or channels-last (model
+// and inputs). The PyTorch twin is scripts/gpu_pytorch_baseline.py;
+// scripts/gpu-check.sh runs both.
 //
 //   ddpkit_gpu_throughput [--device cuda|cpu] [--image-size 224]
-//                         [--batch-size 64] [--steps 40] [--warmup 10] [--amp]
+//                         [--batch-size 64] [--steps 40] [--warmup 10]
+//                         [--precision 32|16-mixed|bf16-mixed] [--amp]
+//                         [--channels-last] [--foreach-sgd]
+//
+// --foreach-sgd: ddpkit::parallel::ForeachSGD (multi-tensor kernels) in place
+// of libtorch's SGD (a loop over the parameters).
 //
 // Prints one JSON object: {"impl":"ddpkit","data":"tensors",...,"img_per_s":N}.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include <ddpkit/ddpkit.hpp>
@@ -59,14 +67,29 @@ int main(int argc, char** argv) {
                  device_name.c_str());
     return 2;
   }
-  const bool amp = has_flag(argc, argv, "--amp");
+  const std::string precision = has_flag(argc, argv, "--amp")
+                                    ? std::string("16-mixed")
+                                    : arg_str(argc, argv, "--precision", "32");
+  if (precision != "32" && precision != "16-mixed" &&
+      precision != "bf16-mixed") {
+    std::fprintf(stderr,
+                 "error: --precision '%s' must be 32, 16-mixed or bf16-mixed\n",
+                 precision.c_str());
+    return 2;
+  }
+  const bool amp = precision == "16-mixed";
+  const bool bf16 = precision == "bf16-mixed";
+  const bool channels_last = has_flag(argc, argv, "--channels-last");
+  const bool foreach_sgd = has_flag(argc, argv, "--foreach-sgd");
+  const auto layout = channels_last ? at::MemoryFormat::ChannelsLast
+                                    : at::MemoryFormat::Contiguous;
   if (device_name == "cuda" && !torch::cuda::is_available()) {
     std::fprintf(stderr,
                  "error: --device cuda, but no CUDA device is visible\n");
     return 2;
   }
   if (amp && device_name != "cuda") {
-    std::fprintf(stderr, "error: --amp needs --device cuda\n");
+    std::fprintf(stderr, "error: --precision 16-mixed needs --device cuda\n");
     return 2;
   }
   const torch::Device device(device_name == "cuda" ? torch::kCUDA
@@ -81,16 +104,28 @@ int main(int argc, char** argv) {
   Engine engine(ddpkit::nn::resnet34(5), ddpkit::dist::Group(), {}, device);
   auto& model = ddpkit::parallel::as_module(engine.module());
   model.train();
-  torch::optim::SGD sgd(
-      model.parameters(),
-      torch::optim::SGDOptions(0.001).momentum(0.9).weight_decay(0.005));
+  if (channels_last) {  // 4-D weights and buffers to the layout, in place
+    torch::NoGradGuard no_grad;
+    for (auto& p : model.parameters()) {
+      if (p.dim() == 4) p.set_data(p.data().contiguous(layout));
+    }
+  }
+  const auto sgd_options =
+      torch::optim::SGDOptions(0.001).momentum(0.9).weight_decay(0.005);
+  std::unique_ptr<torch::optim::SGD> sgd_ptr =
+      foreach_sgd ? std::make_unique<ddpkit::parallel::ForeachSGD>(
+                        model.parameters(), sgd_options)
+                  : std::make_unique<torch::optim::SGD>(model.parameters(),
+                                                        sgd_options);
+  auto& sgd = *sgd_ptr;
   ddpkit::parallel::LossScaler scaler;
   const ddpkit::dist::Group solo;
   // A few distinct batches already on the device: the step, not the input
   // pipeline, is measured here.
   std::vector<torch::Tensor> xs, ys;
   for (int k = 0; k < 4; ++k) {
-    xs.push_back(torch::randn({batch, 3, size, size}, device));
+    xs.push_back(
+        torch::randn({batch, 3, size, size}, device).contiguous(layout));
     ys.push_back(torch::randint(
         0, 5, {batch},
         torch::TensorOptions().dtype(torch::kLong).device(device)));
@@ -112,6 +147,13 @@ int main(int argc, char** argv) {
             });
       }
       if (scaler.unscale_and_check(model.parameters(), solo, false)) sgd.step();
+    } else if (bf16) {
+      {
+        ddpkit::compat::AutocastGuard autocast(ddpkit::compat::AutocastState{
+            true, torch::kBFloat16, device.type()});
+        engine.forward_backward(x, y, ce);
+      }
+      sgd.step();
     } else {
       engine.forward_backward(x, y, ce);
       sgd.step();
@@ -127,9 +169,15 @@ int main(int argc, char** argv) {
           .count();
   std::printf(
       "{\"impl\":\"ddpkit\",\"data\":\"tensors\",\"mode\":\"%s\","
-      "\"device\":\"%s\",\"image_size\":%d,\"batch_size\":%d,\"steps\":%d,"
+      "\"layout\":\"%s\",\"sgd\":\"%s\",\"device\":\"%s\",\"image_size\":%d,"
+      "\"batch_size\":%d,"
+      "\"steps\":%d,"
       "\"seconds\":%.4f,\"img_per_s\":%.1f,\"torch\":\"%s\"}\n",
-      amp ? "amp" : "fp32", device_name.c_str(), size, batch, steps, secs,
-      steps * batch / secs, ddpkit::compat::torch_version().c_str());
+      amp    ? "amp"
+      : bf16 ? "bf16"
+             : "fp32",
+      channels_last ? "channels-last" : "contiguous",
+      foreach_sgd ? "foreach" : "loop", device_name.c_str(), size, batch, steps,
+      secs, steps * batch / secs, ddpkit::compat::torch_version().c_str());
   return 0;
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on this machine, what scripts/gpu-check.sh runs on a lent GPU
 # machine, and puts it in .gpu/ (ignored by git; carry it to the device):
-# the test binary (its "cuda" suite), flowers-resnet34-single and
-# ddpkit_gpu_throughput, compiled at -O2 against the torch 2.11.0+cu130
+# the test binary (its "cuda" suite), flowers-resnet34-single,
+# flowers-resnet34-ddp, cifar10-single and ddpkit_gpu_throughput, compiled at -O2 against the torch 2.11.0+cu130
 # wheel in .venv -- the same build of libtorch the GPU machine has -- plus
 # the Debian libraries they load (libturbojpeg, libpng, libbenchmark,
 # libstdc++). The GPU
@@ -18,10 +18,10 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDDPKIT_TORCH=venv \
   "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG" -DDDPKIT_MODE=all \
   -DDDPKIT_BUILD_TESTS=ON -DDDPKIT_BUILD_EXAMPLES=ON -DDDPKIT_BUILD_BENCHMARKS=ON \
   | grep -E "^-- (ddpkit|Found CUDAToolkit)"
-cmake --build "$build" -j "$(nproc)" --target ddpkit_tests flowers-resnet34-single ddpkit_gpu_throughput
+cmake --build "$build" -j "$(nproc)" --target ddpkit_tests flowers-resnet34-single flowers-resnet34-ddp cifar10-single ddpkit_gpu_throughput
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/lib
-cp "$build/tests/ddpkit_tests" "$build/bin/flowers-resnet34-single" \
+cp "$build/tests/ddpkit_tests" "$build/bin/flowers-resnet34-single" "$build/bin/flowers-resnet34-ddp" "$build/bin/cifar10-single" \
    "$build/benchmarks/ddpkit_gpu_throughput" .gpu/bin/
 # Debian's libraries the binaries need beyond torch's (and bookworm's
 # libstdc++, in case the GPU machine's is older).

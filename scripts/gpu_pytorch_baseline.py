@@ -2,8 +2,10 @@
 """PyTorch eager twin of ddpkit's GPU throughput runs (scripts/gpu-check.sh).
 
 torchvision's resnet34 (5 classes), the flowers recipe's optimizer (SGD,
-momentum 0.9, weight decay 0.005), cross-entropy, float32 or AMP
-(torch.autocast float16 + torch.amp.GradScaler). Two data settings:
+momentum 0.9, weight decay 0.005), cross-entropy, at --precision 32,
+16-mixed (torch.autocast float16 + torch.amp.GradScaler; --amp is its
+alias) or bf16-mixed (torch.autocast bfloat16, no scaler), NCHW or
+--channels-last (model and inputs). Two data settings:
 
   --data tensors        random batches already on the device (the step alone)
   --data folder=DIR     an ImageFolder of JPEGs (flowers-resnet34's generated
@@ -24,18 +26,35 @@ import torch
 import torchvision
 
 
-def build(device, amp):
+FOREACH = None  # torch.optim's default: multi-tensor kernels on CUDA
+
+
+def build(device, amp, channels_last=False):
     torch.manual_seed(0)
     model = torchvision.models.resnet34(num_classes=5).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9,
-                          weight_decay=0.005)
+                          weight_decay=0.005, foreach=FOREACH)
     scaler = torch.amp.GradScaler("cuda", enabled=amp)
     return model, opt, scaler
 
 
+AUTOCAST = {"32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+PRECISION = "32"
+LAYOUT = torch.contiguous_format
+
+
+def autocast():
+    dtype = AUTOCAST[PRECISION]
+    return torch.autocast("cuda", dtype=dtype or torch.float16,
+                          enabled=dtype is not None)
+
+
 def train_step(model, opt, scaler, x, y, amp):
     opt.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+    x = x.contiguous(memory_format=LAYOUT)
+    with autocast():
         out = model(x)
     loss = torch.nn.functional.cross_entropy(out.float(), y)
     scaler.scale(loss).backward()
@@ -44,10 +63,11 @@ def train_step(model, opt, scaler, x, y, amp):
 
 
 def run_tensors(args, device):
-    model, opt, scaler = build(device, args.amp)
+    model, opt, scaler = build(device, args.amp, args.channels_last)
     model.train()
     xs = [torch.randn(args.batch_size, 3, args.image_size, args.image_size,
-                      device=device) for _ in range(4)]
+                      device=device).contiguous(memory_format=LAYOUT)
+          for _ in range(4)]
     ys = [torch.randint(0, 5, (args.batch_size,), device=device)
           for _ in range(4)]
     for i in range(args.warmup):
@@ -79,7 +99,7 @@ def run_folder(args, device, root):
     val_loader = torch.utils.data.DataLoader(
         torch.utils.data.Subset(val_set, val_idx), batch_size=args.batch_size,
         num_workers=args.workers, pin_memory=True, persistent_workers=True)
-    model, opt, scaler = build(device, args.amp)
+    model, opt, scaler = build(device, args.amp, args.channels_last)
 
     def epoch():
         model.train()
@@ -94,10 +114,10 @@ def run_folder(args, device, root):
                 if n >= args.steps:
                     break
         model.eval()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16,
-                                             enabled=args.amp):
+        with torch.no_grad(), autocast():
             for x, y in val_loader:
-                model(x.to(device, non_blocking=True)).argmax(1).eq(
+                x = x.to(device, non_blocking=True).contiguous(memory_format=LAYOUT)
+                model(x).argmax(1).eq(
                     y.to(device, non_blocking=True)).sum()
         torch.cuda.synchronize(device)
         return time.perf_counter() - t0
@@ -118,8 +138,22 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--val-images", type=int, default=0)
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--amp", action="store_true")
+    p.add_argument("--precision", default="32", choices=sorted(AUTOCAST))
+    p.add_argument("--amp", action="store_true", help="--precision 16-mixed")
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--no-foreach", action="store_true",
+                   help="SGD's per-parameter loop instead of its multi-tensor "
+                        "kernels (what libtorch's C++ SGD does)")
     args = p.parse_args()
+    global PRECISION, LAYOUT, FOREACH
+    if args.no_foreach:
+        FOREACH = False
+    if args.amp:
+        args.precision = "16-mixed"
+    args.amp = args.precision == "16-mixed"  # the GradScaler's switch
+    PRECISION = args.precision
+    if args.channels_last:
+        LAYOUT = torch.channels_last
     if not torch.cuda.is_available():
         sys.exit("error: no CUDA device is visible")
     device = torch.device("cuda", 0)
@@ -133,7 +167,10 @@ def main():
     else:
         sys.exit(f"error: --data '{args.data}' must be tensors or folder=DIR")
     r.update({"impl": "pytorch", "data": data,
-              "mode": "amp" if args.amp else "fp32", "device": "cuda",
+              "mode": {"32": "fp32", "16-mixed": "amp", "bf16-mixed": "bf16"}[args.precision],
+              "layout": "channels-last" if args.channels_last else "contiguous",
+              "foreach": not args.no_foreach,
+              "device": "cuda",
               "image_size": args.image_size, "batch_size": args.batch_size,
               "steps": args.steps, "torch": torch.__version__})
     print(json.dumps(r))

@@ -58,6 +58,9 @@ class Group {
     if (method == "env://") {
       if (const char* m = std::getenv("DDPKIT_INIT_METHOD")) method = m;
     }
+    // A rank without a GPU of its own fails here, before waiting for the
+    // others at the rendezvous.
+    check_local_device(env, resolve_backend(opts));
     g.store_ = detail::rendezvous(env, method, rdv_timeout);
     detail::wait_for_all(g.store_, env, method, rdv_timeout);
     g.backend_ = make_backend(g.store_, env, opts, coll_timeout);
@@ -411,17 +414,35 @@ class Group {
 #endif
   }
 
+  /// The backend `opts` asks for, `automatic` resolved: NCCL where this
+  /// build has it and a CUDA device is visible, else gloo.
+  static BackendKind resolve_backend(const GroupOptions& opts) {
+    const BackendKind kind = opts.backend();
+    if (kind != BackendKind::automatic) return kind;
+    return (compat::has_nccl && torch::cuda::is_available())
+               ? BackendKind::nccl
+               : BackendKind::gloo;
+  }
+
+  /// An NCCL rank works on GPU LOCAL_RANK of its host: refuses a rank
+  /// whose LOCAL_RANK is past the host's device count.
+  static void check_local_device(const DistEnv& env, BackendKind kind) {
+    if (kind != BackendKind::nccl || !compat::has_nccl) return;
+    const auto gpus = torch::cuda::device_count();
+    if (env.local_rank >= static_cast<int>(gpus)) {
+      throw UsageError(ddpkit::detail::cat(
+          "rank ", env.rank, " has LOCAL_RANK ", env.local_rank,
+          " but this host has ", gpus, " CUDA device", gpus == 1 ? "" : "s",
+          "; start at most that many ranks per host"));
+    }
+  }
+
   static compat::BackendPtr make_backend(const compat::StorePtr& store,
                                          const DistEnv& env,
                                          const GroupOptions& opts,
                                          std::chrono::milliseconds timeout) {
     using ddpkit::detail::cat;
-    BackendKind kind = opts.backend();
-    if (kind == BackendKind::automatic) {
-      kind = (compat::has_nccl && torch::cuda::is_available())
-                 ? BackendKind::nccl
-                 : BackendKind::gloo;
-    }
+    const BackendKind kind = resolve_backend(opts);
     // Each group gets its own key space so several can share one store.
     auto prefixed = compat::make_prefix_store("ddpkit/default_pg", store);
     try {
@@ -431,13 +452,7 @@ class Group {
         // Each rank's CUDA work on its own GPU (PyTorch's recipes call
         // torch.cuda.set_device(local_rank) first): otherwise every rank
         // makes a context on GPU 0 and NCCL may pick the wrong device.
-        const auto gpus = torch::cuda::device_count();
-        if (env.local_rank >= static_cast<int>(gpus)) {
-          throw UsageError(cat("rank ", env.rank, " has LOCAL_RANK ",
-                               env.local_rank, " but this host has ", gpus,
-                               " CUDA device", gpus == 1 ? "" : "s",
-                               "; start at most that many ranks per host"));
-        }
+        // (check_local_device made sure it exists.)
         ddpkit::compat::set_cuda_device(env.local_rank);
         return compat::make_nccl(
             prefixed, env.rank, env.world_size, timeout,
