@@ -191,7 +191,9 @@ int main(int argc, char** argv) {
           for (auto& p : params) {
             if (p.requires_grad()) trainable.push_back(p);
           }
-          return std::make_unique<torch::optim::SGD>(
+          // libtorch's SGD stepped with multi-tensor kernels: the same
+          // arithmetic and checkpoints, fewer kernel launches on a GPU.
+          return std::make_unique<ddpkit::parallel::ForeachSGD>(
               trainable,
               torch::optim::SGDOptions(kLr).momentum(kMomentum).weight_decay(
                   kWeightDecay));
