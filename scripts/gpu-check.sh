@@ -14,8 +14,10 @@
 #      GPU with native bfloat16; its first lines are printed), each against
 #      PyTorch eager with torchvision's resnet34, ImageFolder and
 #      DataLoader at the same precision (scripts/gpu_pytorch_baseline.py);
-#   3. flowers-resnet34-ddp at world 1 over NCCL (the reducer's buckets on
-#      the GPU), bf16-mixed with --memory-format auto: it must train;
+#   3. flowers-resnet34-ddp at world 1 on the GPU, bf16-mixed with
+#      --memory-format auto: it must train (a world of one makes no process
+#      group, so this is the DDP build's Trainer path, not NCCL: one GPU
+#      cannot hold two NCCL ranks);
 #   4. the training step alone on synthetic tensors already on the GPU,
 #      ddpkit (ddpkit_gpu_throughput) against PyTorch eager, at 32 /
 #      16-mixed / bf16-mixed x NCHW / channels-last.
@@ -119,7 +121,7 @@ done
 fi
 
 if part 3; then
-stamp "3. flowers-resnet34-ddp at world 1 over NCCL, bf16-mixed, --memory-format auto"
+stamp "3. flowers-resnet34-ddp at world 1 on the GPU, bf16-mixed, --memory-format auto (no process group at world 1: NCCL itself is the cuda suite's)"
 timeout 180 .gpu/bin/flowers-resnet34-ddp --world-size 1 --image-size 224 --batch-size 64 --epochs 1 \
   --max-steps 10 --synthetic-per-class 100 --workers 12 --threads 4 --out "$work/ddp" \
   --precision bf16-mixed --memory-format auto > "$OUT/flowers-ddp.log" 2>&1
@@ -245,7 +247,7 @@ for r in rows:
         out += ["", f"`--precision auto` trained at {r.get('precision_run')} here."]
 for r in rows:
     if r.get("run") == "flowers-ddp-nccl-world1":
-        out += ["", f"flowers-resnet34-ddp at world 1 over NCCL (bf16-mixed, "
+        out += ["", f"flowers-resnet34-ddp at world 1 on the GPU (bf16-mixed, "
                 f"--memory-format auto): exit {r['exit']}."]
 errors = [r["error"] for r in rows if "error" in r]
 if errors:

@@ -59,7 +59,9 @@ inline PrecisionChoice auto_precision(torch::Device device) {
             "so float32; --precision bf16-mixed to try it"};
   }
   return {Precision::fp32,
-          "this CPU has no bfloat16 arithmetic (neither AMX nor AVX512-BF16)"};
+          "this CPU has no bfloat16 arithmetic (neither AMX nor AVX512-BF16; "
+          "bfloat16 autocast measured about 25x slower than float32 on such "
+          "a CPU, docs/BENCHMARKS.md)"};
 }
 
 /// The precision and memory format a checkpoint was written with ("" for
