@@ -20,12 +20,16 @@
 #      cannot hold two NCCL ranks);
 #   4. the training step alone on synthetic tensors already on the GPU,
 #      ddpkit (ddpkit_gpu_throughput) against PyTorch eager, at 32 /
-#      16-mixed / bf16-mixed x NCHW / channels-last.
+#      16-mixed / bf16-mixed x NCHW / channels-last; then PyTorch with
+#      SGD's loop and ddpkit with ForeachSGD;
+#   5. CIFAR-10 and flowers at the examples' default epochs, --precision 32
+#      against auto: accuracy and the precision auto chose;
+#   6. ForeachSGD against libtorch's SGD loop, alternated over 4 rounds.
 #
 # Writes $OUT/gpu.json (one JSON object per run), $OUT/GPU.md (the table for
 # docs/GPU.md) and $OUT/gpu-check.log, as it goes (a run cut short still
-# returns what it measured). Each part has its own timeout; about 8 minutes
-# on an H200 is expected (never run whole yet).
+# returns what it measured). Each part has its own timeout. On an H200
+# (2026-12-04): parts 1-4 took 3 minutes, 1+4+5 under 5, part 6 under 1.
 #
 #   here:   scripts/gpu-prepare.sh
 #   device: run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=570)
@@ -54,7 +58,7 @@ fi
 t0=$(date +%s)
 stamp() { echo "== $* ($(($(date +%s) - t0)) s)"; }
 # GPU_CHECK_PARTS="1 5": only those parts (a second, shorter run).
-parts=" ${GPU_CHECK_PARTS:-1 2 3 4 5} "
+parts=" ${GPU_CHECK_PARTS:-1 2 3 4 5 6} "
 part() { [[ $parts == *" $1 "* ]]; }
 
 stamp "machine"
@@ -77,7 +81,8 @@ record() {  # a command printing one JSON object; failures are recorded too
   if [[ $line == \{* ]]; then
     echo "$line" | tee -a "$results"
   else
-    echo "{\"error\": \"$(echo "$* :: $(tail -n 3 "$OUT/last.err")" | tr '"\n' "' ")\"}" | tee -a "$results"
+    "$PY" -c 'import json, sys; print(json.dumps({"error": sys.argv[1]}))' \
+      "$* :: $(tail -n 3 "$OUT/last.err")" | tee -a "$results"
   fi
 }
 
@@ -104,6 +109,7 @@ try:
     chosen = json.load(open(run + "/summary.json")).get("precision")
     print(json.dumps({"impl": "ddpkit", "data": "jpeg-folder", "mode": mode,
                       "layout": "contiguous", "precision_flag": prec,
+                      "sgd": "foreach",  # the flowers example's ForeachSGD
                       "precision_run": chosen,
                       "device": "cuda", "image_size": 224, "batch_size": 64,
                       "steps": 20, "seconds": m["seconds"],
@@ -128,7 +134,7 @@ timeout 180 .gpu/bin/flowers-resnet34-ddp --world-size 1 --image-size 224 --batc
 ddp_rc=$?
 echo "flowers-resnet34-ddp exit code: $ddp_rc"
 head -n 3 "$OUT/flowers-ddp.log"; tail -n 4 "$OUT/flowers-ddp.log"
-echo "{\"impl\": \"ddpkit\", \"run\": \"flowers-ddp-nccl-world1\", \"exit\": $ddp_rc}" >> "$results"
+echo "{\"impl\": \"ddpkit\", \"run\": \"flowers-ddp-world1\", \"exit\": $ddp_rc}" >> "$results"
 fi
 
 if part 4; then
@@ -179,12 +185,36 @@ PY
   done
 done
 fi
+if part 6; then
+stamp "6. ForeachSGD against libtorch's SGD loop, alternated: 4 rounds (odd ones in reverse), 32 NCHW and bf16-mixed channels-last"
+for round in 1 2 3 4; do
+  order="loop foreach"; ((round % 2 == 0)) && order="foreach loop"
+  for setting in "32" "bf16-mixed --channels-last"; do
+    for sgd in $order; do
+      flag=""; [[ $sgd == foreach ]] && flag=--foreach-sgd
+      line=$(timeout 120 .gpu/bin/ddpkit_gpu_throughput --device cuda --image-size 224 --batch-size 64 \
+        --steps 30 --warmup 10 --precision $setting $flag 2>"$OUT/last.err" | tail -n 1)
+      if [[ $line == \{* ]]; then
+        echo "${line%\}},\"run\":\"sgd-ab\",\"round\":$round}" | tee -a "$results"
+      else
+        echo "sgd-ab round $round $setting $sgd: failed: $(tail -n 2 "$OUT/last.err")"
+      fi
+    done
+  done
+done
+fi
 rm -rf "$work"
 
 stamp "report"
 "$PY" - "$results" "$tests_rc" > "$OUT/GPU.md" <<'PY'
 import json, subprocess, sys, datetime
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = []
+for l in open(sys.argv[1]):
+    try:
+        rows.append(json.loads(l))
+    except ValueError:
+        if l.strip():
+            rows.append({"error": "unreadable result line: " + l.strip()[:200]})
 tests_rc = int(sys.argv[2])
 try:
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
@@ -199,27 +229,32 @@ out = ["# ddpkit on a GPU", "",
        "(ResNet-34, 5 classes, 224 px, batch 64, SGD momentum 0.9).", "",
        f"CUDA test suite (`ddpkit_tests --test-suite=cuda`): "
        f"{'passed' if tests_rc == 0 else 'not run' if tests_rc < 0 else f'FAILED (exit {tests_rc})'}.", "",
-       "| data | precision | layout | ddpkit img/s | PyTorch eager img/s | ddpkit / PyTorch |",
-       "|---|---|---|---|---|---|"]
-def find(impl, data, mode, layout, sgd="loop"):
+]
+header = ["| data | precision | layout | ddpkit img/s | PyTorch eager img/s | ddpkit / PyTorch |",
+          "|---|---|---|---|---|---|"]
+table_at = len(out)
+def find(impl, data, mode, layout, sgd=None):
     for r in rows:
         if (r.get("impl") == impl and r.get("data") == data and r.get("mode") == mode
                 and r.get("layout", "contiguous") == layout and r.get("foreach", True)
-                and r.get("sgd", "loop") == sgd):
+                and (sgd is None or r.get("sgd", "loop") == sgd) and r.get("run") != "sgd-ab"):
             return r.get("img_per_s")
     return None
 names = {"fp32": "32", "amp": "16-mixed", "bf16": "bf16-mixed"}
-for data, layouts in (("jpeg-folder", ("contiguous",)),
-                      ("tensors", ("contiguous", "channels-last"))):
+for data, layouts, sgd in (("jpeg-folder", ("contiguous",), None),
+                           ("tensors", ("contiguous", "channels-last"), "loop")):
+    if not any(r.get("data") == data and r.get("run") != "sgd-ab" for r in rows):
+        continue  # that part did not run
     for mode in ("fp32", "amp", "bf16"):
         for layout in layouts:
-            a, b = find("ddpkit", data, mode, layout), find("pytorch", data, mode, layout)
+            a = find("ddpkit", data, mode, layout, sgd)
+            b = find("pytorch", data, mode, layout)
             ratio = f"{a / b:.2f}" if a and b else "n/a"
             out.append(f"| {data} | {names[mode]} | {layout} | {a or 'failed'} | "
                        f"{b or 'failed'} | {ratio} |")
 for r in rows:
-    if r.get("impl") == "ddpkit" and r.get("sgd") == "foreach":
-        loop = find("ddpkit", "tensors", r["mode"], r["layout"])
+    if r.get("impl") == "ddpkit" and r.get("sgd") == "foreach" and r.get("run") != "sgd-ab":
+        loop = find("ddpkit", "tensors", r["mode"], r["layout"], "loop")
         py = find("pytorch", "tensors", r["mode"], r["layout"])
         out.append(f"| tensors | {names[r['mode']]} | {r['layout']}, ddpkit ForeachSGD | "
                    f"{r['img_per_s']} | {py or 'failed'} | "
@@ -228,9 +263,31 @@ for r in rows:
 for r in rows:
     if r.get("impl") == "pytorch" and r.get("foreach") is False:
         base = find("pytorch", "tensors", r["mode"], "contiguous")
-        out.append(f"| tensors | {names[r['mode']]} | contiguous, SGD without foreach | | "
-                   f"{r['img_per_s']} | PyTorch foreach / loop: "
-                   f"{base / r['img_per_s']:.2f} |" if base else "")
+        if base:
+            out.append(f"| tensors | {names[r['mode']]} | contiguous, SGD without foreach | | "
+                       f"{r['img_per_s']} | PyTorch foreach / loop: "
+                       f"{base / r['img_per_s']:.2f} |")
+if len(out) > table_at:
+    out[table_at:table_at] = header
+ab = [r for r in rows if r.get("run") == "sgd-ab"]
+if ab:
+    import statistics
+    out += ["", "ForeachSGD against libtorch's SGD loop, alternated (img/s per round; "
+            "ratio = median of the rounds' foreach / loop):", "",
+            "| precision | layout | loop | ForeachSGD | median ratio |", "|---|---|---|---|---|"]
+    for mode, layout in (("fp32", "contiguous"), ("bf16", "channels-last")):
+        by = {}
+        for r in ab:
+            if r["mode"] == mode and r["layout"] == layout:
+                by.setdefault(r["round"], {})[r["sgd"]] = r["img_per_s"]
+        rounds = sorted(k for k, v in by.items() if "loop" in v and "foreach" in v)
+        if not rounds:
+            continue
+        ratios = [by[k]["foreach"] / by[k]["loop"] for k in rounds]
+        out.append(f"| {names[mode]} | {layout} | "
+                   f"{', '.join(str(by[k]['loop']) for k in rounds)} | "
+                   f"{', '.join(str(by[k]['foreach']) for k in rounds)} | "
+                   f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
 acc = [r for r in rows if r.get("run") == "accuracy"]
 if acc:
     out += ["", "Accuracy at the examples' default epochs (best validation accuracy; "
@@ -243,10 +300,10 @@ if acc:
                    f"{r.get('final_val_acc', '')} | {r.get('test_acc', '')} | "
                    f"{r.get('total_seconds', '')} |")
 for r in rows:
-    if r.get("impl") == "ddpkit" and r.get("precision_flag") == "auto":
+    if r.get("impl") == "ddpkit" and r.get("precision_flag") == "auto" and r.get("precision_run"):
         out += ["", f"`--precision auto` trained at {r.get('precision_run')} here."]
 for r in rows:
-    if r.get("run") == "flowers-ddp-nccl-world1":
+    if r.get("run") == "flowers-ddp-world1":
         out += ["", f"flowers-resnet34-ddp at world 1 on the GPU (bf16-mixed, "
                 f"--memory-format auto): exit {r['exit']}."]
 errors = [r["error"] for r in rows if "error" in r]

@@ -425,9 +425,16 @@ class Group {
   }
 
   /// An NCCL rank works on GPU LOCAL_RANK of its host: refuses a rank
-  /// whose LOCAL_RANK is past the host's device count.
+  /// whose LOCAL_RANK is past the host's device count, or any NCCL rank in
+  /// a build without NCCL.
+  /// Both before the rendezvous: a rank that cannot run fails at once.
   static void check_local_device(const DistEnv& env, BackendKind kind) {
-    if (kind != BackendKind::nccl || !compat::has_nccl) return;
+    if (kind != BackendKind::nccl) return;
+    if constexpr (!compat::has_nccl) {
+      throw UsageError(
+          "backend nccl requested, but this build of ddpkit "
+          "has no NCCL (libtorch without CUDA)");
+    }
     const auto gpus = torch::cuda::device_count();
     if (env.local_rank >= static_cast<int>(gpus)) {
       throw UsageError(ddpkit::detail::cat(
