@@ -1809,7 +1809,14 @@ TEST_SUITE("train") {
                 ": bf16-mixed against 32, one process: ", precision_effect,
                 "; ", std::string(zero[0] == '1' ? "ZeRO-2" : "DDP"),
                 " accumulating against one process, both bf16-mixed: ", diff);
-        CHECK(diff < 1.0 / 256);
+        // Within bfloat16's relative precision (2^-8), or an eighth of what
+        // bfloat16 itself moved the weights where the library's bfloat16
+        // arithmetic is coarser: libtorch 1.13 on a CPU without bfloat16
+        // instructions (an AVX2-only AMD EPYC) moved them 0.064 from
+        // float32's, and DDP's micro-batches of 5 ended 0.0060 from one
+        // process's batch of 20 (torch 2.11 there: 0.0023 and 0.0017). A
+        // reduction or clipping fault moves them 0.1 or more.
+        CHECK(diff < std::max(1.0 / 256, precision_effect / 8));
       }
     }
   }
