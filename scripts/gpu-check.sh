@@ -75,11 +75,14 @@ fi
 
 results=$OUT/gpu.json
 : > "$results"
-record() {  # a command printing one JSON object; failures are recorded too
+# record CMD...: CMD prints one JSON object, appended to the results with
+# the fields in RECORD_TAG (',"key":value,...') added; a failure is recorded
+# as {"error": ...}.
+record() {
   local line
   line=$("$@" 2>"$OUT/last.err" | tail -n 1)
   if [[ $line == \{* ]]; then
-    echo "$line" | tee -a "$results"
+    echo "${line%\}}${RECORD_TAG:-}}" | tee -a "$results"
   else
     "$PY" -c 'import json, sys; print(json.dumps({"error": sys.argv[1]}))' \
       "$* :: $(tail -n 3 "$OUT/last.err")" | tee -a "$results"
@@ -186,19 +189,15 @@ PY
 done
 fi
 if part 6; then
-stamp "6. ForeachSGD against libtorch's SGD loop, alternated: 4 rounds (odd ones in reverse), 32 NCHW and bf16-mixed channels-last"
+stamp "6. ForeachSGD against libtorch's SGD loop, alternated: 4 rounds (even ones in reverse), 32 NCHW and bf16-mixed channels-last"
 for round in 1 2 3 4; do
   order="loop foreach"; ((round % 2 == 0)) && order="foreach loop"
   for setting in "32" "bf16-mixed --channels-last"; do
     for sgd in $order; do
       flag=""; [[ $sgd == foreach ]] && flag=--foreach-sgd
-      line=$(timeout 120 .gpu/bin/ddpkit_gpu_throughput --device cuda --image-size 224 --batch-size 64 \
-        --steps 30 --warmup 10 --precision $setting $flag 2>"$OUT/last.err" | tail -n 1)
-      if [[ $line == \{* ]]; then
-        echo "${line%\}},\"run\":\"sgd-ab\",\"round\":$round}" | tee -a "$results"
-      else
-        echo "sgd-ab round $round $setting $sgd: failed: $(tail -n 2 "$OUT/last.err")"
-      fi
+      RECORD_TAG=",\"run\":\"sgd-ab\",\"round\":$round" \
+        record timeout 120 .gpu/bin/ddpkit_gpu_throughput --device cuda --image-size 224 \
+        --batch-size 64 --steps 30 --warmup 10 --precision $setting $flag
     done
   done
 done
