@@ -466,6 +466,103 @@ TEST_SUITE("data") {
         }
       }
     }
+    SUBCASE("narrow regions at the edges and iMCU boundaries") {
+      // The fuzz finding tests/fuzz/regressions/image/jpeg-420-crop-two-
+      // columns: a 1-pixel-wide region at the left edge made a 2-pixel crop,
+      // and libjpeg-turbo's 4:2:0 triangle upsampling then gave other chroma
+      // than a full decode from the second iMCU row on.
+      for (int num : {8, 4, 2, 1}) {
+        for (bool fast : {false, true}) {
+          JpegDecodeOptions o;
+          o.scale_num = num;
+          o.fast = fast;
+          std::vector<uint8_t> full, part;
+          const auto fs = decode_jpeg_hwc(bytes, full, o);
+          const double inv = 8.0 / num;  // one output pixel, in originals
+          int bad = 0;
+          for (int64_t x :
+               {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{8}, int64_t{15},
+                int64_t{16}, int64_t{17}, fs.width - 2, fs.width - 1}) {
+            for (int64_t w : {1, 2, 3}) {
+              for (int64_t y :
+                   {int64_t{0}, int64_t{15}, int64_t{16}, fs.height - 1}) {
+                if (x < 0 || y < 0) continue;
+                JpegBlock b;
+                REQUIRE(decode_jpeg_region(
+                    bytes, static_cast<double>(y) * inv,
+                    static_cast<double>(x) * inv, 3 * inv,
+                    static_cast<double>(w) * inv, part, b, o));
+                for (int64_t r = 0; r < b.height; ++r) {
+                  if (std::memcmp(
+                          part.data() + b.offset + r * b.stride,
+                          full.data() + ((b.top + r) * fs.width + b.left) * 3,
+                          static_cast<std::size_t>(b.width) * 3) != 0) {
+                    if (++bad <= 3) {
+                      MESSAGE("scale ", num, "/8 fast ", fast, ": region at (",
+                              y, ", ", x, ") width ", w, " differs in row ",
+                              b.top + r);
+                    }
+                    break;
+                  }
+                }
+              }
+            }
+          }
+          CAPTURE(num);
+          CAPTURE(fast);
+          CHECK(bad == 0);
+        }
+      }
+    }
+    SUBCASE("progressive files: complete ones by region, unfinished ones not") {
+      // The fuzz finding tests/fuzz/regressions/image/jpeg-progressive-
+      // unfinished: a progressive file that ends (EOI) before its refinement
+      // scans is legal, and libjpeg decodes it with block smoothing, which
+      // reads neighbouring blocks: a crop's pixels differ from a full
+      // decode's. Such a file must be left to the full decode.
+      auto hwc = img.permute({1, 2, 0}).contiguous();
+      tjhandle th = tjInitCompress();
+      unsigned char* buf = nullptr;
+      unsigned long n = 0;
+      REQUIRE(tjCompress2(th, hwc.data_ptr<uint8_t>(),
+                          static_cast<int>(hwc.size(1)), 0,
+                          static_cast<int>(hwc.size(0)), TJPF_RGB, &buf, &n,
+                          TJSAMP_420, 90, TJFLAG_PROGRESSIVE) == 0);
+      const std::vector<unsigned char> prog(buf, buf + n);
+      tjFree(buf);
+      tjDestroy(th);
+      // The first scan (DC only), then EOI: cut at the second SOS marker
+      // (FF DA never occurs inside entropy-coded data).
+      std::vector<std::size_t> sos;
+      for (std::size_t i = 0; i + 1 < prog.size(); ++i) {
+        if (prog[i] == 0xFF && prog[i + 1] == 0xDA) sos.push_back(i);
+      }
+      REQUIRE(sos.size() >= 3);
+      std::vector<unsigned char> dc_only(prog.begin(), prog.begin() + sos[1]);
+      dc_only.push_back(0xFF);
+      dc_only.push_back(0xD9);
+      for (int num : {8, 4, 2}) {
+        CAPTURE(num);
+        JpegDecodeOptions o;
+        o.scale_num = num;
+        const double top = 37, left = 53, h = 101, w = 90;
+        auto same_as_full = [&](const std::vector<unsigned char>& file) {
+          std::vector<uint8_t> full, part;
+          const auto fs = decode_jpeg_hwc(file, full, o);
+          JpegBlock b;
+          if (!decode_jpeg_region(file, top, left, h, w, part, b, o)) return -1;
+          for (int64_t r = 0; r < b.height; ++r) {
+            if (std::memcmp(part.data() + b.offset + r * b.stride,
+                            full.data() + ((b.top + r) * fs.width + b.left) * 3,
+                            static_cast<std::size_t>(b.width) * 3) != 0)
+              return 0;
+          }
+          return 1;
+        };
+        CHECK(same_as_full(prog) == 1);     // decoded by region, equal
+        CHECK(same_as_full(dc_only) != 0);  // equal, or declined
+      }
+    }
     SUBCASE("a truncated file is an error whatever the region") {
       std::vector<unsigned char> cut(bytes.begin(),
                                      bytes.begin() + bytes.size() * 2 / 3);

@@ -343,7 +343,8 @@ extern "C" inline void ddpkit_jpeg_emit_message(j_common_ptr c, int level) {
 }
 
 /// The region decode proper; only trivially destructible locals live
-/// across the setjmp. Returns 0, or the JpegErr kind with `err.msg` set.
+/// across the setjmp. Returns 0; 4 when the file needs the full decode
+/// (see the block smoothing below); or the JpegErr kind with `err.msg` set.
 inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data,
                            unsigned long size, double top, double left,
                            double height, double width,
@@ -386,16 +387,52 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data,
     cinfo.do_fancy_upsampling = 0;
   }
   lib.start(&cinfo);
+  // A progressive file whose scans leave low-frequency coefficients
+  // unfinished (legal: e.g. only the first scans, then EOI) is decoded with
+  // block smoothing, which reads neighbouring blocks; a crop's edges are not
+  // the image's, so its pixels would differ from a full decode's (fuzz
+  // finding tests/fuzz/regressions/image/jpeg-progressive-unfinished).
+  // libjpeg has read every scan by now: such files take the full decode.
+  if (cinfo.progressive_mode && cinfo.do_block_smoothing &&
+      cinfo.coef_bits != nullptr) {
+    for (int c = 0; c < cinfo.num_components; ++c) {
+      for (int k = 0; k < 10; ++k) {  // those libjpeg-turbo smooths from
+        if (cinfo.coef_bits[c][k] != 0) {
+          lib.abort(&cinfo);
+          lib.destroy(&cinfo);
+          return 4;
+        }
+      }
+    }
+  }
   const double s = opts.scale_num / 8.0;
   const auto W = static_cast<int64_t>(cinfo.output_width);
   const auto H = static_cast<int64_t>(cinfo.output_height);
   // One column of margin each side: fancy (triangle) chroma upsampling
   // treats the cut as an image edge, so the block's first and last columns
   // differ from a full decode's; they are dropped below.
-  const int64_t x0 = std::clamp<int64_t>(
+  int64_t x0 = std::clamp<int64_t>(
       static_cast<int64_t>(std::floor(left * s)) - 1, 0, W - 1);
-  const int64_t x1 = std::clamp<int64_t>(
+  int64_t x1 = std::clamp<int64_t>(
       static_cast<int64_t>(std::ceil((left + width) * s)) + 1, x0 + 1, W);
+  // At least one iMCU column plus one pixel wide. libjpeg-turbo 2.1.5's
+  // 4:2:0 triangle upsampling goes wrong when a crop is 2 pixels wide (one
+  // chroma sample): the chroma of every row from the second iMCU row on
+  // differs from a full decode's (fuzz finding
+  // tests/fuzz/regressions/image/jpeg-420-crop-two-columns). A wider crop
+  // costs at most one more block column per component.
+#if JPEG_LIB_VERSION >= 70
+  const int64_t imcu_w =
+      int64_t{cinfo.max_h_samp_factor} * cinfo.min_DCT_h_scaled_size;
+#else
+  const int64_t imcu_w =
+      int64_t{cinfo.max_h_samp_factor} * cinfo.min_DCT_scaled_size;
+#endif
+  const int64_t min_w = std::min<int64_t>(W, imcu_w + 1);
+  if (x1 - x0 < min_w) {
+    x1 = std::min<int64_t>(W, x0 + min_w);
+    x0 = x1 - min_w;
+  }
   const int64_t y0 =
       std::clamp<int64_t>(static_cast<int64_t>(std::floor(top * s)), 0, H - 1);
   const int64_t y1 = std::clamp<int64_t>(
@@ -442,8 +479,9 @@ inline int jpeg_region_raw(const LibJpeg& lib, const unsigned char* data,
 /// touches are not decoded at all (libjpeg's `jpeg_crop_scanline` and
 /// `jpeg_skip_scanlines`). Returns false, leaving the work to a full
 /// decode, when libjpeg's API is not available, when the file does not end
-/// in an EOI marker (maybe truncated, or trailing data) or when libjpeg
-/// cannot handle it (e.g. CMYK); a truncated file, or one of more than
+/// in an EOI marker (maybe truncated, or trailing data), when it is a
+/// progressive file with unfinished coefficients (block smoothing), or when
+/// libjpeg cannot handle it (e.g. CMYK); a truncated file, or one of more than
 /// `kMaxImagePixels`, is a UsageError naming `name`.
 inline bool decode_jpeg_region(const std::vector<unsigned char>& bytes,
                                double top, double left, double height,
