@@ -137,8 +137,10 @@ int main(int argc, char** argv) {
         // AdamW decays every tensor, LayerNorm gains and biases included
         // (the factory sees a flat list); at 0.01 that costs nothing here.
         const double lr = args.lr;
+        // libtorch's AdamW stepped with multi-tensor kernels (ForeachAdamW:
+        // the same results and checkpoints).
         auto optimizer = [lr](std::vector<torch::Tensor> params) {
-          return std::make_unique<torch::optim::AdamW>(
+          return std::make_unique<ddpkit::parallel::ForeachAdamW>(
               params,
               torch::optim::AdamWOptions(lr).weight_decay(kWeightDecay));
         };

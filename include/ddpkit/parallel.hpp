@@ -7,6 +7,7 @@
 #include "ddpkit/parallel/data_parallel.hpp"
 #include "ddpkit/parallel/ddp.hpp"
 #include "ddpkit/parallel/engine.hpp"
+#include "ddpkit/parallel/foreach_adam.hpp"
 #include "ddpkit/parallel/foreach_sgd.hpp"
 #include "ddpkit/parallel/grad_comm.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"

@@ -1,7 +1,8 @@
 // Mixed precision: the fused unscale-and-check (LossScaler) and autocast;
-// the multi-tensor SGD step (ForeachSGD).
+// the multi-tensor optimizer steps (ForeachSGD, ForeachAdam, ForeachAdamW).
 #include "../support.hpp"
 #include "ddpkit/detail/compat.hpp"
+#include "ddpkit/parallel/foreach_adam.hpp"
 #include "ddpkit/parallel/foreach_sgd.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 
@@ -9,14 +10,17 @@ using namespace ddpkit;
 
 namespace {
 
-/// Steps ForeachSGD and libtorch's SGD over copies of the same parameters
-/// (one without a gradient, a second group with its own options) with the
-/// same gradients for `steps` steps, the last half after moving the
-/// state through a checkpoint (ForeachSGD's saved, libtorch's SGD loads it
-/// and the reverse); returns the largest absolute difference between the
-/// two sets of parameters (0: the same arithmetic).
-double foreach_sgd_vs_sgd(const torch::optim::SGDOptions& opts,
-                          torch::Device device, int steps = 6) {
+/// Steps a `_foreach` optimizer (`Foreach`) and libtorch's (`Base`) over
+/// copies of the same parameters (one never with a gradient, one without
+/// one at the second step, so its state starts later and, for Adam, its
+/// step count lags; a second group with its own learning rate) with the
+/// same gradients for `steps` steps, the last half after moving the state
+/// through a checkpoint (the Foreach one's saved, libtorch's loads it and
+/// the reverse); returns the largest absolute difference between the two
+/// sets of parameters (0: the same arithmetic).
+template <class Foreach, class Base, class Options>
+double foreach_vs_libtorch(const Options& opts, torch::Device device,
+                           int steps = 6) {
   torch::manual_seed(3);
   std::vector<std::vector<int64_t>> shapes{{4, 3, 3, 3}, {4}, {5, 7}, {1}, {3}};
   std::vector<torch::Tensor> a, b;
@@ -28,15 +32,13 @@ double foreach_sgd_vs_sgd(const torch::optim::SGDOptions& opts,
   auto groups = [&](std::vector<torch::Tensor>& p) {
     std::vector<torch::optim::OptimizerParamGroup> g;
     g.emplace_back(std::vector<torch::Tensor>{p[0], p[1], p[2], p[3]});
-    auto other = std::make_unique<torch::optim::SGDOptions>(opts);
+    auto other = std::make_unique<Options>(opts);
     other->lr(opts.lr() * 0.5);
     g.emplace_back(std::vector<torch::Tensor>{p[4]}, std::move(other));
     return g;
   };
-  std::unique_ptr<torch::optim::SGD> fa =
-      std::make_unique<parallel::ForeachSGD>(groups(a), opts);
-  std::unique_ptr<torch::optim::SGD> fb =
-      std::make_unique<torch::optim::SGD>(groups(b), opts);
+  std::unique_ptr<Base> fa = std::make_unique<Foreach>(groups(a), opts);
+  std::unique_ptr<Base> fb = std::make_unique<Base>(groups(b), opts);
   for (int s = 0; s < steps; ++s) {
     if (s == steps / 2) {  // each one's state through the other's loader
       torch::serialize::OutputArchive oa, ob;
@@ -45,10 +47,10 @@ double foreach_sgd_vs_sgd(const torch::optim::SGDOptions& opts,
       std::stringstream sa, sb;
       oa.save_to(sa);
       ob.save_to(sb);
-      auto na = std::make_unique<parallel::ForeachSGD>(groups(a), opts);
-      auto nb = std::make_unique<torch::optim::SGD>(groups(b), opts);
+      auto na = std::make_unique<Foreach>(groups(a), opts);
+      auto nb = std::make_unique<Base>(groups(b), opts);
       torch::serialize::InputArchive ia, ib;
-      ib.load_from(sa);  // ForeachSGD's state into libtorch's SGD
+      ib.load_from(sa);  // the Foreach one's state into libtorch's
       ia.load_from(sb);
       nb->load(ib);
       na->load(ia);
@@ -56,7 +58,12 @@ double foreach_sgd_vs_sgd(const torch::optim::SGDOptions& opts,
       fb = std::move(nb);
     }
     for (std::size_t i = 0; i < a.size(); ++i) {
-      if (i == 3) continue;  // never has a gradient
+      if (i == 3) continue;    // never has a gradient
+      if (i == 2 && s == 1) {  // none at this step
+        a[i].mutable_grad() = torch::Tensor();
+        b[i].mutable_grad() = torch::Tensor();
+        continue;
+      }
       auto g = torch::randn(a[i].sizes()).to(device);
       // In place after the first step, as backward accumulates: a buffer
       // that aliased the gradient would move with it.
@@ -73,12 +80,19 @@ double foreach_sgd_vs_sgd(const torch::optim::SGDOptions& opts,
   }
   double worst = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    // Not an autograd operation on the parameter, as libtorch's loop.
+    // The same in-place operations on the parameter as libtorch's loop
+    // (none recorded by autograd).
     CHECK(a[i]._version() == b[i]._version());
     worst = std::max(worst,
                      (a[i] - b[i]).abs().max().to(torch::kCPU).item<double>());
   }
   return worst;
+}
+
+double foreach_sgd_vs_sgd(const torch::optim::SGDOptions& opts,
+                          torch::Device device) {
+  return foreach_vs_libtorch<parallel::ForeachSGD, torch::optim::SGD>(opts,
+                                                                      device);
 }
 
 std::vector<torch::optim::SGDOptions> sgd_variants() {
@@ -89,6 +103,44 @@ std::vector<torch::optim::SGDOptions> sgd_variants() {
       torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1),
       torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(
           1e-3)};
+}
+
+std::vector<torch::optim::AdamOptions> adam_variants() {
+  return {torch::optim::AdamOptions(0.01),
+          torch::optim::AdamOptions(0.01).weight_decay(0.01),
+          torch::optim::AdamOptions(0.02).betas({0.8, 0.99}).eps(1e-6),
+          torch::optim::AdamOptions(0.01).amsgrad(true).weight_decay(1e-3)};
+}
+
+std::vector<torch::optim::AdamWOptions> adamw_variants() {
+  return {torch::optim::AdamWOptions(0.01),
+          torch::optim::AdamWOptions(0.01).weight_decay(0.05),
+          torch::optim::AdamWOptions(0.02).betas({0.8, 0.99}).eps(1e-6),
+          torch::optim::AdamWOptions(0.01).amsgrad(true).weight_decay(0.1)};
+}
+
+/// The largest difference over every Adam and AdamW variant.
+double foreach_adam_worst(torch::Device device) {
+  double worst = 0;
+  const auto adam = adam_variants();
+  for (std::size_t k = 0; k < adam.size(); ++k) {
+    CAPTURE(k);
+    const double d =
+        foreach_vs_libtorch<parallel::ForeachAdam, torch::optim::Adam>(adam[k],
+                                                                       device);
+    MESSAGE("ForeachAdam vs Adam, variant ", k, ": ", d);
+    worst = std::max(worst, d);
+  }
+  const auto adamw = adamw_variants();
+  for (std::size_t k = 0; k < adamw.size(); ++k) {
+    CAPTURE(k);
+    const double d =
+        foreach_vs_libtorch<parallel::ForeachAdamW, torch::optim::AdamW>(
+            adamw[k], device);
+    MESSAGE("ForeachAdamW vs AdamW, variant ", k, ": ", d);
+    worst = std::max(worst, d);
+  }
+  return worst;
 }
 
 }  // namespace
@@ -122,6 +174,21 @@ TEST_SUITE("train") {
     }
     CHECK(torch::equal(a, b));
     CHECK_FALSE(torch::equal(a, start));
+  }
+
+  TEST_CASE(
+      "ForeachAdam and ForeachAdamW equal libtorch's Adam and AdamW (weight "
+      "decay, betas, eps, AMSGrad; two groups; parameters without a gradient "
+      "and with lagging step counts) and share their checkpoints") {
+    CHECK(foreach_adam_worst(torch::kCPU) == 0);
+  }
+
+  TEST_CASE("ForeachAdam refuses a sparse gradient as libtorch's Adam does") {
+    auto a = torch::randn({6, 3}).requires_grad_(true);
+    parallel::ForeachAdam fa({a}, torch::optim::AdamOptions(0.1));
+    a.mutable_grad() = torch::sparse_coo_tensor(torch::tensor({{0, 2}}),
+                                                torch::randn({2, 3}), {6, 3});
+    CHECK_THROWS(fa.step());
   }
 }  // TEST_SUITE("train")
 
@@ -179,6 +246,11 @@ TEST_SUITE("cuda") {
       MESSAGE("ForeachSGD vs SGD on CUDA, variant ", k, ": ", d);
       CHECK(d <= 1e-6);  // fused kernels may round a multiply-add once
     }
+  }
+
+  TEST_CASE("cuda: ForeachAdam and ForeachAdamW equal libtorch's on CUDA") {
+    REQUIRE(torch::cuda::is_available());
+    CHECK(foreach_adam_worst(torch::kCUDA) <= 1e-6);
   }
 
   TEST_CASE("cuda: AMP training lowers the loss and never steps on inf") {
