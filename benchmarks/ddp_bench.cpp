@@ -292,15 +292,8 @@ b::Values precision_train(Model model, const dd::Group& g, const b::Args& a) {
     y = torch::randint(kClasses, {batch}, torch::kLong);
   }
   if (cl) {
-    torch::NoGradGuard ng;
-    for (auto& p : model->parameters()) {
-      if (p.dim() == 4)
-        p.set_data(p.contiguous(torch::MemoryFormat::ChannelsLast));
-    }
-    for (auto& t : model->buffers()) {
-      if (t.dim() == 4)
-        t.set_data(t.contiguous(torch::MemoryFormat::ChannelsLast));
-    }
+    ddpkit::parallel::to_memory_format(ddpkit::parallel::as_module(model),
+                                       torch::MemoryFormat::ChannelsLast);
     x = x.contiguous(torch::MemoryFormat::ChannelsLast);
   }
   x = x.to(dev);

@@ -104,12 +104,7 @@ int main(int argc, char** argv) {
   Engine engine(ddpkit::nn::resnet34(5), ddpkit::dist::Group(), {}, device);
   auto& model = ddpkit::parallel::as_module(engine.module());
   model.train();
-  if (channels_last) {  // 4-D weights and buffers to the layout, in place
-    torch::NoGradGuard no_grad;
-    for (auto& p : model.parameters()) {
-      if (p.dim() == 4) p.set_data(p.data().contiguous(layout));
-    }
-  }
+  if (channels_last) ddpkit::parallel::to_memory_format(model, layout);
   const auto sgd_options =
       torch::optim::SGDOptions(0.001).momentum(0.9).weight_decay(0.005);
   std::unique_ptr<torch::optim::SGD> sgd_ptr =

@@ -203,11 +203,9 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
 /// `--precision`'s value as a `Precision` (`--amp` is 16-mixed; "auto"
 /// before resolve_auto_settings counts as 32).
 inline train::Precision precision_of(const CommonArgs& args) {
-  if (args.amp || args.precision == "16-mixed") {
-    return train::Precision::fp16_mixed;
-  }
-  return args.precision == "bf16-mixed" ? train::Precision::bf16_mixed
-                                        : train::Precision::fp32;
+  if (args.amp) return train::Precision::fp16_mixed;
+  return train::precision_from_name(args.precision)
+      .value_or(train::Precision::fp32);
 }
 
 /// `--precision auto` and `--memory-format auto`, resolved alike on every
@@ -230,11 +228,14 @@ std::string resolve_auto_settings(CommonArgs& args, Model& model,
   if (!precision_auto && !layout_auto) return "";
   // Rank 0 reads the checkpoint; the codes travel to every rank.
   struct Codes {
-    int precision = -1;  // a train::Precision, -1: not recorded / not auto
-    int layout = -1;     // 0 contiguous, 1 channels-last, -1 as above
+    int precision = -1;  // a train::Precision, -1: not auto
+    int by_rule = 0;     // 1: precision from train::auto_precision
+    int layout = -1;     // 0 contiguous, 1 channels-last, -1: not recorded
   } codes;
   std::string from;
   bool predates = false;  // a checkpoint from before the keys existed
+  const torch::Device device = train::default_device(group);
+  std::optional<train::PrecisionChoice> rule;
   if (group.rank() == 0) {
     if (auto r = train::recorded_settings(args.resume, args.out)) {
       from = r->path.string();
@@ -251,13 +252,21 @@ std::string resolve_auto_settings(CommonArgs& args, Model& model,
         codes.layout = r->memory_format == "channels-last" ? 1 : 0;
       }
     }
+    if (precision_auto && codes.precision < 0) {  // not recorded: the rule
+      rule = train::auto_precision(device);
+      codes.precision = static_cast<int>(rule->precision);
+      codes.by_rule = 1;
+    }
   }
   dist::CollectiveTag tag("auto settings");
   if (group.size() > 1) codes = dist::broadcast_value(group, codes, 0);
   std::string why;
-  const torch::Device device = train::default_device(group);
   if (precision_auto) {
-    if (codes.precision >= 0) {
+    if (codes.by_rule) {
+      // Rank 0's choice; the reason as this rank's hardware gives it.
+      if (!rule) rule = train::auto_precision(device);
+      why = "precision auto: " + rule->reason;
+    } else {
       why = predates ? "precision auto: 32, as the run being resumed trained "
                        "(" +
                            from +
@@ -265,13 +274,6 @@ std::string resolve_auto_settings(CommonArgs& args, Model& model,
                            "was the default)"
                      : "precision auto: as the run being resumed trained (" +
                            from + ")";
-    } else {
-      const auto c = train::auto_precision(device);
-      codes.precision = static_cast<int>(c.precision);
-      if (group.size() > 1) {
-        codes.precision = dist::broadcast_value(group, codes.precision, 0);
-      }
-      why = "precision auto: " + c.reason;
     }
     args.precision =
         train::precision_name(static_cast<train::Precision>(codes.precision));

@@ -1722,6 +1722,41 @@ DDPKIT_WORKER(zero2_peak) {
 
 TEST_SUITE("parallel") {
   TEST_CASE(
+      "to_memory_format converts 4-D parameters and buffers in place, "
+      "values and identities kept; has_4d_tensors sees either") {
+    torch::manual_seed(2);
+    torch::nn::Sequential convnet(torch::nn::Conv2d(3, 4, 3),
+                                  torch::nn::Linear(4, 2));
+    torch::nn::Sequential mlp(torch::nn::Linear(4, 2));
+    CHECK(parallel::has_4d_tensors(*convnet));
+    CHECK_FALSE(parallel::has_4d_tensors(*mlp));
+    auto with_buffer = std::make_shared<torch::nn::Module>();
+    auto buf = with_buffer->register_buffer("b", torch::randn({2, 3, 4, 5}));
+    CHECK(parallel::has_4d_tensors(*with_buffer));
+
+    const auto cl = torch::MemoryFormat::ChannelsLast;
+    auto w = convnet->parameters()[0];  // as an optimizer holds it
+    const auto w_before = w.clone(), b_before = buf.clone();
+    const auto linear_w = convnet->parameters()[2];
+    const auto linear_strides = linear_w.strides().vec();
+    parallel::to_memory_format(*convnet, cl);
+    parallel::to_memory_format(*with_buffer, cl);
+    CHECK(w.is_contiguous(cl));
+    CHECK_FALSE(w.is_contiguous());
+    CHECK(convnet->parameters()[0].unsafeGetTensorImpl() ==
+          w.unsafeGetTensorImpl());
+    CHECK(w.requires_grad());
+    CHECK(torch::equal(w, w_before));
+    CHECK(buf.is_contiguous(cl));
+    CHECK_FALSE(buf.is_contiguous());
+    CHECK(torch::equal(buf, b_before));
+    CHECK(linear_w.strides().vec() == linear_strides);
+    parallel::to_memory_format(*convnet, torch::MemoryFormat::Contiguous);
+    CHECK(w.is_contiguous());
+    CHECK(torch::equal(w, w_before));
+  }
+
+  TEST_CASE(
       "ZeRO-1 and ZeRO-2 equal DDP (SGD with momentum and weight decay, "
       "AdamW; with accumulation and clipping; world 2 and 4), keep about "
       "1/world of the optimizer state (and ZeRO-2 of the gradients) per "

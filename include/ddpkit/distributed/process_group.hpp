@@ -60,10 +60,11 @@ class Group {
     }
     // A rank without a GPU of its own fails here, before waiting for the
     // others at the rendezvous.
-    check_local_device(env, resolve_backend(opts));
+    const BackendKind kind = resolve_backend(opts);
+    check_local_device(env, kind);
     g.store_ = detail::rendezvous(env, method, rdv_timeout);
     detail::wait_for_all(g.store_, env, method, rdv_timeout);
-    g.backend_ = make_backend(g.store_, env, opts, coll_timeout);
+    g.backend_ = make_backend(g.store_, env, kind, opts, coll_timeout);
     g.timeout_ = coll_timeout;
     g.opts_ = opts;
 #if defined(USE_C10D_NCCL) && defined(DDPKIT_HAS_CUDA) && \
@@ -211,7 +212,8 @@ class Group {
       g->recorder_ = recorder_;
       g->group_index_ = 1;
       auto side_store = compat::make_prefix_store("ddpkit/side", store_);
-      g->backend_ = make_backend(side_store, env_, g->opts_, timeout_);
+      g->backend_ = make_backend(side_store, env_, g->opts_.backend(), g->opts_,
+                                 timeout_);
       g->topology_ = topology_;
       g->hierarchical_ = hierarchical_;
       if (shm_) g->shm_ = g->connect_channel("ddpkit/side/shm");
@@ -444,12 +446,13 @@ class Group {
     }
   }
 
+  /// The backend of `kind` (resolved: nccl or gloo); `opts` for gloo's
+  /// devices and NCCL's error handling.
   static compat::BackendPtr make_backend(const compat::StorePtr& store,
-                                         const DistEnv& env,
+                                         const DistEnv& env, BackendKind kind,
                                          const GroupOptions& opts,
                                          std::chrono::milliseconds timeout) {
     using ddpkit::detail::cat;
-    const BackendKind kind = resolve_backend(opts);
     // Each group gets its own key space so several can share one store.
     auto prefixed = compat::make_prefix_store("ddpkit/default_pg", store);
     try {

@@ -43,6 +43,32 @@ inline std::vector<torch::Tensor> unique_parameters(
   return unique_tensors(m.parameters());
 }
 
+/// Whether `m` has a 4-D parameter or buffer: the only tensors a memory
+/// format (channels-last) changes.
+inline bool has_4d_tensors(const torch::nn::Module& m) {
+  for (const auto& p : m.parameters()) {
+    if (p.dim() == 4) return true;
+  }
+  for (const auto& b : m.buffers()) {
+    if (b.dim() == 4) return true;
+  }
+  return false;
+}
+
+/// Puts each 4-D parameter and buffer of `m` in `format`, in place
+/// (`set_data`: the tensors the optimizer and autograd hold stay the
+/// same); the others are untouched. Before DDP's buckets are made, which
+/// then take these strides.
+inline void to_memory_format(torch::nn::Module& m, torch::MemoryFormat format) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) {
+    if (p.dim() == 4) p.set_data(p.detach().contiguous(format));
+  }
+  for (auto& b : m.buffers()) {
+    if (b.dim() == 4) b.set_data(b.detach().contiguous(format));
+  }
+}
+
 /// Clears the gradients of `m`'s parameters: set to None (PyTorch 2.x's
 /// `zero_grad()` default, the same on every libtorch version), so the next
 /// backward writes them fresh instead of adding to zeros.

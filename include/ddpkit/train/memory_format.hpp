@@ -61,9 +61,7 @@ MemoryFormatChoice choose_memory_format(Model& model,
   MemoryFormatChoice c;
   auto& m = parallel::as_module(model);
   m.to(device);
-  bool four_d = false;
-  for (const auto& p : m.parameters()) four_d |= p.dim() == 4;
-  if (!four_d) {
+  if (!parallel::has_4d_tensors(m)) {
     c.reason = "no 4-D weights";
     return c;
   }
@@ -82,12 +80,7 @@ MemoryFormatChoice choose_memory_format(Model& model,
   const torch::Tensor x = sample.to(device);
   // One forward + backward in layout `f` (the conversion untimed), in ms.
   auto timed_pass = [&](torch::MemoryFormat f) {
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& t : state) {
-        if (t.dim() == 4) t.set_data(t.detach().contiguous(f));
-      }
-    }
+    parallel::to_memory_format(m, f);
     const torch::Tensor in = x.dim() == 4 ? x.contiguous(f) : x;
     const auto t0 = std::chrono::steady_clock::now();
     torch::Tensor out;

@@ -1251,11 +1251,8 @@ class Trainer : private CheckpointWriter {
                      "differently from the original run)");
     }
     // A layout changes nothing for a model without 4-D tensors.
-    bool four_d = false;
-    for (const auto& p : parallel::as_module(engine_.module()).parameters())
-      four_d = four_d || p.dim() == 4;
-    for (const auto& b : parallel::as_module(engine_.module()).buffers())
-      four_d = four_d || b.dim() == 4;
+    const bool four_d =
+        parallel::has_4d_tensors(parallel::as_module(engine_.module()));
     const std::string layout = memory_format_name(options_.memory_format());
     if (four_d && !state.memory_format.empty() &&
         state.memory_format != layout) {
@@ -1283,14 +1280,7 @@ class Trainer : private CheckpointWriter {
     BN::apply(parallel::as_module(model), g);
     if (o.memory_format() == torch::MemoryFormat::ChannelsLast) {
       // Before the engine exists: DDP's buckets take these strides.
-      torch::NoGradGuard no_grad;
-      auto& m = parallel::as_module(model);
-      for (auto& p : m.parameters()) {
-        if (p.dim() == 4) p.set_data(p.contiguous(o.memory_format()));
-      }
-      for (auto& b : m.buffers()) {
-        if (b.dim() == 4) b.set_data(b.contiguous(o.memory_format()));
-      }
+      parallel::to_memory_format(parallel::as_module(model), o.memory_format());
     }
     return model;
   }
