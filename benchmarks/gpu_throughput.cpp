@@ -9,10 +9,13 @@
 //   ddpkit_gpu_throughput [--device cuda|cpu] [--image-size 224]
 //                         [--batch-size 64] [--steps 40] [--warmup 10]
 //                         [--precision 32|16-mixed|bf16-mixed] [--amp]
-//                         [--channels-last] [--foreach-sgd]
+//                         [--channels-last] [--optimizer sgd|adamw]
+//                         [--foreach]
 //
-// --foreach-sgd: ddpkit::parallel::ForeachSGD (multi-tensor kernels) in place
-// of libtorch's SGD (a loop over the parameters).
+// --optimizer adamw: AdamW (lr 1e-3, weight decay 0.01, the char LM's) in
+// place of the recipe's SGD. --foreach (alias --foreach-sgd): ddpkit's
+// multi-tensor version (ForeachSGD, ForeachAdamW) in place of libtorch's
+// optimizer (a loop over the parameters).
 //
 // Prints one JSON object: {"impl":"ddpkit","data":"tensors",...,"img_per_s":N}.
 #include <chrono>
@@ -80,7 +83,14 @@ int main(int argc, char** argv) {
   const bool amp = precision == "16-mixed";
   const bool bf16 = precision == "bf16-mixed";
   const bool channels_last = has_flag(argc, argv, "--channels-last");
-  const bool foreach_sgd = has_flag(argc, argv, "--foreach-sgd");
+  const bool foreach = has_flag(argc, argv, "--foreach") ||
+                       has_flag(argc, argv, "--foreach-sgd");
+  const std::string optimizer = arg_str(argc, argv, "--optimizer", "sgd");
+  if (optimizer != "sgd" && optimizer != "adamw") {
+    std::fprintf(stderr, "error: --optimizer '%s' must be sgd or adamw\n",
+                 optimizer.c_str());
+    return 2;
+  }
   const auto layout = channels_last ? at::MemoryFormat::ChannelsLast
                                     : at::MemoryFormat::Contiguous;
   if (device_name == "cuda" && !torch::cuda::is_available()) {
@@ -105,14 +115,26 @@ int main(int argc, char** argv) {
   auto& model = ddpkit::parallel::as_module(engine.module());
   model.train();
   if (channels_last) ddpkit::parallel::to_memory_format(model, layout);
-  const auto sgd_options =
-      torch::optim::SGDOptions(0.001).momentum(0.9).weight_decay(0.005);
-  std::unique_ptr<torch::optim::SGD> sgd_ptr =
-      foreach_sgd ? std::make_unique<ddpkit::parallel::ForeachSGD>(
-                        model.parameters(), sgd_options)
-                  : std::make_unique<torch::optim::SGD>(model.parameters(),
-                                                        sgd_options);
-  auto& sgd = *sgd_ptr;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (optimizer == "sgd") {
+    const auto o =
+        torch::optim::SGDOptions(0.001).momentum(0.9).weight_decay(0.005);
+    if (foreach) {
+      opt =
+          std::make_unique<ddpkit::parallel::ForeachSGD>(model.parameters(), o);
+    } else {
+      opt = std::make_unique<torch::optim::SGD>(model.parameters(), o);
+    }
+  } else {
+    const auto o = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
+    if (foreach) {
+      opt = std::make_unique<ddpkit::parallel::ForeachAdamW>(model.parameters(),
+                                                             o);
+    } else {
+      opt = std::make_unique<torch::optim::AdamW>(model.parameters(), o);
+    }
+  }
+  auto& sgd = *opt;
   ddpkit::parallel::LossScaler scaler;
   const ddpkit::dist::Group solo;
   // A few distinct batches already on the device: the step, not the input
@@ -164,15 +186,16 @@ int main(int argc, char** argv) {
           .count();
   std::printf(
       "{\"impl\":\"ddpkit\",\"data\":\"tensors\",\"mode\":\"%s\","
-      "\"layout\":\"%s\",\"sgd\":\"%s\",\"device\":\"%s\",\"image_size\":%d,"
+      "\"layout\":\"%s\",\"optimizer\":\"%s\",\"sgd\":\"%s\",\"device\":\"%s\","
+      "\"image_size\":%d,"
       "\"batch_size\":%d,"
       "\"steps\":%d,"
       "\"seconds\":%.4f,\"img_per_s\":%.1f,\"torch\":\"%s\"}\n",
       amp    ? "amp"
       : bf16 ? "bf16"
              : "fp32",
-      channels_last ? "channels-last" : "contiguous",
-      foreach_sgd ? "foreach" : "loop", device_name.c_str(), size, batch, steps,
+      channels_last ? "channels-last" : "contiguous", optimizer.c_str(),
+      foreach ? "foreach" : "loop", device_name.c_str(), size, batch, steps,
       secs, steps * batch / secs, ddpkit::compat::torch_version().c_str());
   return 0;
 }

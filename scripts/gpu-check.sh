@@ -24,7 +24,10 @@
 #      SGD's loop and ddpkit with ForeachSGD;
 #   5. CIFAR-10 and flowers at the examples' default epochs, --precision 32
 #      against auto: accuracy and the precision auto chose;
-#   6. ForeachSGD against libtorch's SGD loop, alternated over 4 rounds.
+#   6. ForeachSGD against libtorch's SGD loop, alternated over 4 rounds;
+#   7. ForeachAdam/AdamW: their cuda test alone, then ForeachAdamW against
+#      libtorch's AdamW loop, alternated over 2 rounds (part 1 runs the
+#      test too; part 7 is the short run for them).
 #
 # Writes $OUT/gpu.json (one JSON object per run), $OUT/GPU.md (the table for
 # docs/GPU.md) and $OUT/gpu-check.log, as it goes (a run cut short still
@@ -58,7 +61,7 @@ fi
 t0=$(date +%s)
 stamp() { echo "== $* ($(($(date +%s) - t0)) s)"; }
 # GPU_CHECK_PARTS="1 5": only those parts (a second, shorter run).
-parts=" ${GPU_CHECK_PARTS:-1 2 3 4 5 6} "
+parts=" ${GPU_CHECK_PARTS:-1 2 3 4 5 6 7} "
 part() { [[ $parts == *" $1 "* ]]; }
 
 stamp "machine"
@@ -202,6 +205,22 @@ for round in 1 2 3 4; do
   done
 done
 fi
+if part 7; then
+stamp "7. ForeachAdam/AdamW: the cuda test, then AdamW foreach against libtorch's loop, alternated: 2 rounds (the second in reverse), bf16-mixed channels-last"
+timeout 120 .gpu/bin/ddpkit_tests --test-suite=cuda --force-colors=0 --no-skip \
+  --test-case="cuda: ForeachAdam*" --success=0
+echo "ForeachAdam cuda test exit code: $?"
+for round in 1 2; do
+  order="loop foreach"; ((round % 2 == 0)) && order="foreach loop"
+  for opt in $order; do
+    flag=""; [[ $opt == foreach ]] && flag=--foreach
+    RECORD_TAG=",\"run\":\"adamw-ab\",\"round\":$round" \
+      record timeout 120 .gpu/bin/ddpkit_gpu_throughput --device cuda --image-size 224 \
+      --batch-size 64 --steps 30 --warmup 10 --precision bf16-mixed --channels-last \
+      --optimizer adamw $flag
+  done
+done
+fi
 rm -rf "$work"
 
 stamp "report"
@@ -229,6 +248,7 @@ out = ["# ddpkit on a GPU", "",
        f"CUDA test suite (`ddpkit_tests --test-suite=cuda`): "
        f"{'passed' if tests_rc == 0 else 'not run' if tests_rc < 0 else f'FAILED (exit {tests_rc})'}.", "",
 ]
+AB_RUNS = ("sgd-ab", "adamw-ab")  # alternated pairs: their own tables
 header = ["| data | precision | layout | ddpkit img/s | PyTorch eager img/s | ddpkit / PyTorch |",
           "|---|---|---|---|---|---|"]
 table_at = len(out)
@@ -236,13 +256,13 @@ def find(impl, data, mode, layout, sgd=None):
     for r in rows:
         if (r.get("impl") == impl and r.get("data") == data and r.get("mode") == mode
                 and r.get("layout", "contiguous") == layout and r.get("foreach", True)
-                and (sgd is None or r.get("sgd", "loop") == sgd) and r.get("run") != "sgd-ab"):
+                and (sgd is None or r.get("sgd", "loop") == sgd) and r.get("run") not in AB_RUNS):
             return r.get("img_per_s")
     return None
 names = {"fp32": "32", "amp": "16-mixed", "bf16": "bf16-mixed"}
 for data, layouts, sgd in (("jpeg-folder", ("contiguous",), None),
                            ("tensors", ("contiguous", "channels-last"), "loop")):
-    if not any(r.get("data") == data and r.get("run") != "sgd-ab" for r in rows):
+    if not any(r.get("data") == data and r.get("run") not in AB_RUNS for r in rows):
         continue  # that part did not run
     for mode in ("fp32", "amp", "bf16"):
         for layout in layouts:
@@ -252,7 +272,7 @@ for data, layouts, sgd in (("jpeg-folder", ("contiguous",), None),
             out.append(f"| {data} | {names[mode]} | {layout} | {a or 'failed'} | "
                        f"{b or 'failed'} | {ratio} |")
 for r in rows:
-    if r.get("impl") == "ddpkit" and r.get("sgd") == "foreach" and r.get("run") != "sgd-ab":
+    if r.get("impl") == "ddpkit" and r.get("sgd") == "foreach" and r.get("run") not in AB_RUNS:
         loop = find("ddpkit", "tensors", r["mode"], r["layout"], "loop")
         py = find("pytorch", "tensors", r["mode"], r["layout"])
         out.append(f"| tensors | {names[r['mode']]} | {r['layout']}, ddpkit ForeachSGD | "
@@ -287,6 +307,21 @@ if ab:
                    f"{', '.join(str(by[k]['loop']) for k in rounds)} | "
                    f"{', '.join(str(by[k]['foreach']) for k in rounds)} | "
                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+ab = [r for r in rows if r.get("run") == "adamw-ab"]
+if ab:
+    import statistics
+    by = {}
+    for r in ab:
+        by.setdefault(r["round"], {})[r["sgd"]] = r["img_per_s"]
+    rounds = sorted(k for k, v in by.items() if "loop" in v and "foreach" in v)
+    if rounds:
+        ratios = [by[k]["foreach"] / by[k]["loop"] for k in rounds]
+        out += ["", "ForeachAdamW against libtorch's AdamW loop, alternated, bf16-mixed "
+                "channels-last (img/s per round):", "",
+                "| loop | ForeachAdamW | median ratio |", "|---|---|---|",
+                f"| {', '.join(str(by[k]['loop']) for k in rounds)} | "
+                f"{', '.join(str(by[k]['foreach']) for k in rounds)} | "
+                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"]
 acc = [r for r in rows if r.get("run") == "accuracy"]
 if acc:
     out += ["", "Accuracy at the examples' default epochs (best validation accuracy; "
