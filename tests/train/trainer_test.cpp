@@ -1883,6 +1883,46 @@ TEST_SUITE("train") {
   }
 
   TEST_CASE(
+      "recorded_settings: the precision and layout a checkpoint records; "
+      "with resume auto, last.pt or else last-prev.pt; nothing otherwise") {
+    auto d = accumulation_data();
+    TempDir out;
+    torch::manual_seed(1);
+    SingleDeviceTrainer<TinyNet> t(
+        conv_bn(), sgd_momentum(kAccLr),
+        bf16_options(out.path(), train::Precision::fp32)
+            .memory_format(torch::MemoryFormat::ChannelsLast));
+    t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+          data::LoaderOptions(20).workers(0));
+    const auto last = train::last_checkpoint(out.path());
+    const auto prev = train::previous_checkpoint(out.path());
+    REQUIRE(fs::exists(last));
+    REQUIRE(fs::exists(prev));
+    auto r = train::recorded_settings("auto", out.path());
+    REQUIRE(r);
+    CHECK(r->path == last);
+    CHECK(r->precision == "32");
+    CHECK(r->memory_format == "channels-last");
+    // A damaged last.pt: the one before it, as resume falls back.
+    std::ofstream(last, std::ios::trunc) << "not a checkpoint";
+    r = train::recorded_settings("auto", out.path());
+    REQUIRE(r);
+    CHECK(r->path == prev);
+    CHECK(r->precision == "32");
+    CHECK(r->memory_format == "channels-last");
+    // A path given is read as given: no fallback.
+    CHECK_FALSE(train::recorded_settings(last.string(), out.path()));
+    r = train::recorded_settings(prev.string(), out.path());
+    REQUIRE(r);
+    CHECK(r->path == prev);
+    fs::remove(prev);
+    CHECK_FALSE(train::recorded_settings("auto", out.path()));
+    CHECK_FALSE(train::recorded_settings("", out.path()));
+    CHECK_FALSE(train::recorded_settings(
+        (out / "checkpoints" / "missing.pt").string(), out.path()));
+  }
+
+  TEST_CASE(
       "tied weights: a tensor registered under two names trains as if "
       "registered once (stepped once, counted once by clipping)") {
     auto d = accumulation_data();
