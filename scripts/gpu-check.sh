@@ -288,40 +288,34 @@ for r in rows:
                        f"{base / r['img_per_s']:.2f} |")
 if len(out) > table_at:
     out[table_at:table_at] = header
+def ab_cells(pairs):
+    """Alternated loop/foreach runs: "loop img/s | foreach img/s | median
+    ratio (range)" cells over the rounds that have both, or None."""
+    import statistics
+    by = {}
+    for r in pairs:
+        by.setdefault(r["round"], {})[r["sgd"]] = r["img_per_s"]
+    rounds = sorted(k for k, v in by.items() if "loop" in v and "foreach" in v)
+    if not rounds:
+        return None
+    ratios = [by[k]["foreach"] / by[k]["loop"] for k in rounds]
+    return (f"{', '.join(str(by[k]['loop']) for k in rounds)} | "
+            f"{', '.join(str(by[k]['foreach']) for k in rounds)} | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
 ab = [r for r in rows if r.get("run") == "sgd-ab"]
 if ab:
-    import statistics
     out += ["", "ForeachSGD against libtorch's SGD loop, alternated (img/s per round; "
             "ratio = median of the rounds' foreach / loop):", "",
             "| precision | layout | loop | ForeachSGD | median ratio |", "|---|---|---|---|---|"]
     for mode, layout in (("fp32", "contiguous"), ("bf16", "channels-last")):
-        by = {}
-        for r in ab:
-            if r["mode"] == mode and r["layout"] == layout:
-                by.setdefault(r["round"], {})[r["sgd"]] = r["img_per_s"]
-        rounds = sorted(k for k, v in by.items() if "loop" in v and "foreach" in v)
-        if not rounds:
-            continue
-        ratios = [by[k]["foreach"] / by[k]["loop"] for k in rounds]
-        out.append(f"| {names[mode]} | {layout} | "
-                   f"{', '.join(str(by[k]['loop']) for k in rounds)} | "
-                   f"{', '.join(str(by[k]['foreach']) for k in rounds)} | "
-                   f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
-ab = [r for r in rows if r.get("run") == "adamw-ab"]
-if ab:
-    import statistics
-    by = {}
-    for r in ab:
-        by.setdefault(r["round"], {})[r["sgd"]] = r["img_per_s"]
-    rounds = sorted(k for k, v in by.items() if "loop" in v and "foreach" in v)
-    if rounds:
-        ratios = [by[k]["foreach"] / by[k]["loop"] for k in rounds]
-        out += ["", "ForeachAdamW against libtorch's AdamW loop, alternated, bf16-mixed "
-                "channels-last (img/s per round):", "",
-                "| loop | ForeachAdamW | median ratio |", "|---|---|---|",
-                f"| {', '.join(str(by[k]['loop']) for k in rounds)} | "
-                f"{', '.join(str(by[k]['foreach']) for k in rounds)} | "
-                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"]
+        cells = ab_cells(r for r in ab if r["mode"] == mode and r["layout"] == layout)
+        if cells:
+            out.append(f"| {names[mode]} | {layout} | {cells}")
+cells = ab_cells(r for r in rows if r.get("run") == "adamw-ab")
+if cells:
+    out += ["", "ForeachAdamW against libtorch's AdamW loop, alternated, bf16-mixed "
+            "channels-last (img/s per round):", "",
+            "| loop | ForeachAdamW | median ratio |", "|---|---|---|", f"| {cells}"]
 acc = [r for r in rows if r.get("run") == "accuracy"]
 if acc:
     out += ["", "Accuracy at the examples' default epochs (best validation accuracy; "
