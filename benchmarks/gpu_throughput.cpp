@@ -134,7 +134,6 @@ int main(int argc, char** argv) {
       opt = std::make_unique<torch::optim::AdamW>(model.parameters(), o);
     }
   }
-  auto& sgd = *opt;
   ddpkit::parallel::LossScaler scaler;
   const ddpkit::dist::Group solo;
   // A few distinct batches already on the device: the step, not the input
@@ -163,17 +162,18 @@ int main(int argc, char** argv) {
               return ce(o, t) * scale;
             });
       }
-      if (scaler.unscale_and_check(model.parameters(), solo, false)) sgd.step();
+      if (scaler.unscale_and_check(model.parameters(), solo, false))
+        opt->step();
     } else if (bf16) {
       {
         ddpkit::compat::AutocastGuard autocast(ddpkit::compat::AutocastState{
             true, torch::kBFloat16, device.type()});
         engine.forward_backward(x, y, ce);
       }
-      sgd.step();
+      opt->step();
     } else {
       engine.forward_backward(x, y, ce);
-      sgd.step();
+      opt->step();
     }
   };
   for (int i = 0; i < warmup; ++i) step(i);

@@ -19,6 +19,22 @@ using namespace ddpkit::testing;
 
 namespace {
 
+/// The first row (of the image) where block `b` of a region decode `part`
+/// differs from the same pixels of the full RGB decode `full`, `width`
+/// pixels wide; -1 when every row is the same.
+int64_t first_differing_row(const std::vector<uint8_t>& part,
+                            const JpegBlock& b,
+                            const std::vector<uint8_t>& full, int64_t width) {
+  for (int64_t r = 0; r < b.height; ++r) {
+    if (std::memcmp(part.data() + b.offset + r * b.stride,
+                    full.data() + ((b.top + r) * width + b.left) * 3,
+                    static_cast<std::size_t>(b.width) * 3) != 0) {
+      return b.top + r;
+    }
+  }
+  return -1;
+}
+
 /// Where a baseline JPEG's SOF0 marker starts (its height and width are at
 /// +5 and +7, big-endian); jpg.size() when there is none.
 std::size_t sof0_offset(const std::vector<unsigned char>& jpg) {
@@ -457,11 +473,7 @@ TEST_SUITE("data") {
             }
             REQUIRE(block.height == fs.height);
             REQUIRE(block.width == fs.width);
-            for (int64_t y = 0; y < block.height; ++y) {
-              CHECK(std::memcmp(part.data() + block.offset + y * block.stride,
-                                full.data() + y * fs.width * 3,
-                                static_cast<std::size_t>(fs.width) * 3) == 0);
-            }
+            CHECK(first_differing_row(part, block, full, fs.width) == -1);
           }
         }
       }
@@ -492,18 +504,11 @@ TEST_SUITE("data") {
                     bytes, static_cast<double>(y) * inv,
                     static_cast<double>(x) * inv, 3 * inv,
                     static_cast<double>(w) * inv, part, b, o));
-                for (int64_t r = 0; r < b.height; ++r) {
-                  if (std::memcmp(
-                          part.data() + b.offset + r * b.stride,
-                          full.data() + ((b.top + r) * fs.width + b.left) * 3,
-                          static_cast<std::size_t>(b.width) * 3) != 0) {
-                    if (++bad <= 3) {
-                      MESSAGE("scale ", num, "/8 fast ", fast, ": region at (",
-                              y, ", ", x, ") width ", w, " differs in row ",
-                              b.top + r);
-                    }
-                    break;
-                  }
+                const int64_t row =
+                    first_differing_row(part, b, full, fs.width);
+                if (row >= 0 && ++bad <= 3) {
+                  MESSAGE("scale ", num, "/8 fast ", fast, ": region at (", y,
+                          ", ", x, ") width ", w, " differs in row ", row);
                 }
               }
             }
@@ -551,13 +556,7 @@ TEST_SUITE("data") {
           const auto fs = decode_jpeg_hwc(file, full, o);
           JpegBlock b;
           if (!decode_jpeg_region(file, top, left, h, w, part, b, o)) return -1;
-          for (int64_t r = 0; r < b.height; ++r) {
-            if (std::memcmp(part.data() + b.offset + r * b.stride,
-                            full.data() + ((b.top + r) * fs.width + b.left) * 3,
-                            static_cast<std::size_t>(b.width) * 3) != 0)
-              return 0;
-          }
-          return 1;
+          return first_differing_row(part, b, full, fs.width) < 0 ? 1 : 0;
         };
         CHECK(same_as_full(prog) == 1);     // decoded by region, equal
         CHECK(same_as_full(dc_only) != 0);  // equal, or declined

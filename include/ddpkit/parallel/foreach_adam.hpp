@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ddpkit/detail/compat.hpp"
+#include "ddpkit/parallel/foreach_sgd.hpp"
 
 namespace ddpkit::parallel {
 
@@ -30,14 +31,10 @@ class ForeachAdamStep : public Base {
       at::AutoGradMode enable_grad(true);
       loss = closure();
     }
-    for (const auto& group : this->param_groups_) {
-      for (const auto& p : group.params()) {
-        if (p.grad().defined() && p.grad().is_sparse()) {
-          // libtorch refuses it, with its own message.
-          Base::step();  // the closure has run
-          return loss;
-        }
-      }
+    if (any_sparse_grad(this->param_groups_)) {
+      // libtorch refuses it, with its own message.
+      Base::step();  // the closure has run
+      return loss;
     }
     for (auto& group : this->param_groups_) {
       const auto& o = static_cast<const Options&>(group.options());

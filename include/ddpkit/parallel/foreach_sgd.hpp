@@ -10,6 +10,23 @@
 
 namespace ddpkit::parallel {
 
+namespace detail {
+
+/// Whether a parameter of `groups` has a sparse gradient: the `_foreach`
+/// optimizers then take libtorch's own step (libtorch 1.13 has no sparse
+/// `_foreach`; Adam refuses sparse gradients with its own message).
+inline bool any_sparse_grad(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  for (const auto& group : groups) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined() && p.grad().is_sparse()) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace detail
+
 /// libtorch's `torch::optim::SGD` (the same options, per-parameter state
 /// and checkpoints: either loads the other's), whose step updates all of a
 /// group's parameters with a few multi-tensor `_foreach` operations instead
@@ -41,13 +58,9 @@ class ForeachSGD : public torch::optim::SGD {
       at::AutoGradMode enable_grad(true);
       loss = closure();
     }
-    for (const auto& group : param_groups_) {
-      for (const auto& p : group.params()) {
-        if (p.grad().defined() && p.grad().is_sparse()) {
-          torch::optim::SGD::step();  // the closure has run
-          return loss;
-        }
-      }
+    if (detail::any_sparse_grad(param_groups_)) {
+      torch::optim::SGD::step();  // the closure has run
+      return loss;
     }
     for (auto& group : param_groups_) {
       const auto& o =
