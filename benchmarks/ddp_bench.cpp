@@ -44,13 +44,17 @@
 // precision only when named),
 // --rounds=N,
 // --round-id=K,
-// --worlds=1,2,4,8.
+// --worlds=1,2,4,8,
+// --op-profile=N (precision: N more steps with the time inside each
+// outermost ATen operator measured, as op:<name> ms and calls:<name> per
+// step, with in_ops_ms and profiled_step_ms; see op_profile.hpp).
 #include <sys/resource.h>
 
 #include <sstream>
 
 #include "../examples/char_lm/char_model.hpp"
 #include "bench_common.hpp"
+#include "op_profile.hpp"
 
 namespace b = ddpkit_bench;
 namespace dp = ddpkit::parallel;
@@ -321,9 +325,8 @@ b::Values precision_train(Model model, const dd::Group& g, const b::Args& a) {
     }
     return torch::nn::functional::cross_entropy(o, target);
   };
-  dd::barrier(g);
-  for (int i = 0; i < warmup + steps; ++i) {
-    auto t0 = b::clock::now();
+  b::clock::time_point t1;
+  auto one_step = [&] {
     opt->zero_grad();
     ddpkit::parallel::StepOutput out;
     if (bf16) {
@@ -332,9 +335,14 @@ b::Values precision_train(Model model, const dd::Group& g, const b::Args& a) {
     } else {
       out = eng.forward_backward(x, y, loss);
     }
-    auto t1 = b::clock::now();
+    t1 = b::clock::now();
     opt->step();
     b::sync_device(out.loss);
+  };
+  dd::barrier(g);
+  for (int i = 0; i < warmup + steps; ++i) {
+    auto t0 = b::clock::now();
+    one_step();
     auto t2 = b::clock::now();
     if (i >= warmup) {
       times.push_back(std::chrono::duration<double>(t2 - t0).count());
@@ -348,6 +356,27 @@ b::Values precision_train(Model model, const dd::Group& g, const b::Args& a) {
   v["forward_ms"] = 1e3 * b::median(fwd);
   v["backward_ms"] = 1e3 * b::median(bwd);
   v["optimizer_ms"] = 1e3 * b::median(optim);
+  // --op_profile=N: N more steps with every rank's operators timed (the
+  // timed steps above run without the callback).
+  if (const int n = static_cast<int>(a.num("op_profile", 0)); n > 0) {
+    b::OpProfile prof;
+    dd::barrier(g);
+    const auto t0 = b::clock::now();
+    for (int i = 0; i < n; ++i) one_step();
+    const double total =
+        std::chrono::duration<double>(b::clock::now() - t0).count();
+    double in_ops = 0;
+    for (const auto& [op, sc] : prof.ops()) {
+      std::string name = op;
+      std::replace(name.begin(), name.end(), ' ', '_');  // one word per key
+      v["op:" + name] = 1e3 * sc.first / n;
+      v["calls:" + name] = double(sc.second) / n;
+      in_ops += sc.first;
+    }
+    v["profiled_steps"] = n;
+    v["profiled_step_ms"] = 1e3 * total / n;
+    v["in_ops_ms"] = 1e3 * in_ops / n;
+  }
   if (lm) v["tokens_per_s"] = v["images_per_s"] * static_cast<double>(image);
   return v;
 }
@@ -587,7 +616,8 @@ void register_all(const b::Args& o) {
                              "--steps=" + std::to_string(quick ? 2 : s),
                              "--warmup=2", "--bf16=" + std::to_string(bf16),
                              "--channels_last=" + std::to_string(cl),
-                             "--lm=" + std::to_string(lm ? 1 : 0)}),
+                             "--lm=" + std::to_string(lm ? 1 : 0),
+                             "--op_profile=" + itos(o.num("op-profile", 0))}),
               b::all_counters);
         }
       }
@@ -637,7 +667,8 @@ int main(int argc, char** argv) {
     }
   }
   auto own = b::take_own_flags(
-      argc, argv, {"quick", "sections", "rounds", "round-id", "worlds"});
+      argc, argv,
+      {"quick", "sections", "rounds", "round-id", "worlds", "op-profile"});
   register_all(own);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

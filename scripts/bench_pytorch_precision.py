@@ -15,10 +15,14 @@ benchmarks/ddp_bench.cpp's precision section computes them.
 
   .venv/bin/python3 scripts/bench_pytorch_precision.py [SIZE] [STEPS] [ROUNDS]
       ResNet-34 at SIZE px, batch 16, the four settings alternating
-  .venv/bin/python3 scripts/bench_pytorch_precision.py --one MODEL SIZE BATCH STEPS PREC FMT
+  .venv/bin/python3 scripts/bench_pytorch_precision.py --one MODEL SIZE BATCH STEPS PREC FMT [--op-profile N LIB]
       one setting (MODEL resnet34 | cifarnet | charlm, SIZE the context for
       charlm; PREC 32 | bf16-mixed; FMT contiguous | channels-last): one
-      JSON line (benchmarks/precision_bench.py runs this)
+      JSON line (benchmarks/precision_bench.py runs this). With
+      --op-profile N LIB, N more steps give the wall time inside outermost
+      aten:: operators, by name, measured by LIB (BUILD/benchmarks/
+      libddpkit_op_profile.so, built against this torch): the code that
+      measures ddpkit's side, so both have the same overhead.
 """
 import json
 import math
@@ -93,7 +97,17 @@ def make(model_name, size, batch):
     return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
 
 
-def worker(rank, world, port, model_name, size, batch, steps, prec, fmt, queue):
+def load_op_profile(lib):
+    """benchmarks/op_profile_lib.cpp, built against this torch: the code
+    that times ddpkit's operators (ddp_bench --op-profile), for PyTorch's."""
+    import ctypes
+    so = ctypes.CDLL(lib)
+    so.ddpkit_op_profile_stop.restype = ctypes.c_char_p
+    return so
+
+
+def worker(rank, world, port, model_name, size, batch, steps, prec, fmt, queue,
+           op_profile=0, op_profile_lib=None):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -124,25 +138,43 @@ def worker(rank, world, port, model_name, size, batch, steps, prec, fmt, queue):
         step()
         times.append(time.perf_counter() - t0)
     dist.barrier()
+    result = {"images_per_s": world * batch / statistics.median(times),
+              "step_ms": 1e3 * statistics.median(times)}
+    if op_profile > 0:  # more steps, every rank's operators timed
+        so = load_op_profile(op_profile_lib)
+        so.ddpkit_op_profile_start()
+        t0 = time.perf_counter()
+        for _ in range(op_profile):
+            step()
+        total = time.perf_counter() - t0
+        ops = json.loads(so.ddpkit_op_profile_stop())
+        result.update(
+            profiled_steps=op_profile, profiled_step_ms=1e3 * total / op_profile,
+            in_ops_ms=1e3 * sum(v[0] for v in ops.values()) / op_profile,
+            ops={k: [1e3 * v[0] / op_profile, v[1] / op_profile] for k, v in ops.items()})
+        dist.barrier()
     if rank == 0:
-        queue.put(world * batch / statistics.median(times))
+        queue.put(result)
         queue.close()
         queue.join_thread()  # the value is sent before the process ends
     sys.stdout.flush()
     os._exit(0)  # not destroy_process_group: it can deadlock in 2.11
 
 
-def run(model_name, size, batch, steps, prec, fmt):
+def run(model_name, size, batch, steps, prec, fmt, op_profile=0, op_profile_lib=None):
+    """Rank 0's result: images_per_s and step_ms, and with op_profile > 0
+    the operator profile of that many more steps."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     ps = [ctx.Process(target=worker,
-                      args=(k, 2, port, model_name, size, batch, steps, prec, fmt, q))
+                      args=(k, 2, port, model_name, size, batch, steps, prec, fmt, q,
+                            op_profile, op_profile_lib))
           for k in range(2)]
     for p in ps:
         p.start()
     try:
-        ips = q.get(timeout=3600)  # a dead worker must not hang the caller
+        res = q.get(timeout=3600)  # a dead worker must not hang the caller
     except Exception:
         for p in ps:
             p.kill()
@@ -150,7 +182,7 @@ def run(model_name, size, batch, steps, prec, fmt):
                  f"(worker exit codes {[p.exitcode for p in ps]})")
     for p in ps:
         p.join()
-    return ips
+    return res
 
 
 def free_port():
@@ -161,18 +193,27 @@ def free_port():
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
-        if len(sys.argv) != 8:
-            sys.exit("usage: bench_pytorch_precision.py --one MODEL SIZE BATCH STEPS PREC FMT")
-        m, size, batch, steps, prec, fmt = sys.argv[2:]
+        argv, op_profile, lib = sys.argv[2:], 0, None
+        if len(argv) == 9 and argv[6] == "--op-profile" and argv[7].isdigit():
+            argv, op_profile, lib = argv[:6], int(argv[7]), argv[8]
+            try:
+                load_op_profile(lib)
+            except OSError as e:
+                sys.exit(f"bench_pytorch_precision: --op-profile library {lib}: {e} "
+                         "(build the ddpkit_op_profile target against this torch)")
+        if len(argv) != 6:
+            sys.exit("usage: bench_pytorch_precision.py --one MODEL SIZE BATCH STEPS PREC FMT "
+                     "[--op-profile N LIBDDPKIT_OP_PROFILE.so]")
+        m, size, batch, steps, prec, fmt = argv
         if m not in ("resnet34", "cifarnet", "charlm") or prec not in ("32", "bf16-mixed") \
                 or fmt not in ("contiguous", "channels-last"):
             sys.exit(f"bench_pytorch_precision: unknown model {m!r}, precision {prec!r} "
                      f"or format {fmt!r} (expected resnet34|cifarnet|charlm, 32|bf16-mixed, "
                      "contiguous|channels-last)")
-        ips = run(m, int(size), int(batch), int(steps), prec, fmt)
+        res = run(m, int(size), int(batch), int(steps), prec, fmt, op_profile, lib)
         print(json.dumps({"torch": torch.__version__, "model": m, "size": int(size),
-                          "batch": int(batch), "precision": prec, "format": fmt,
-                          "images_per_s": ips}), flush=True)
+                          "batch": int(batch), "precision": prec, "format": fmt, **res}),
+              flush=True)
         return
     size = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 8
@@ -184,7 +225,7 @@ def main():
     for r in range(1, rounds + 1):
         base = None
         for prec, fmt in settings:
-            ips = run("resnet34", size, 16, steps, prec, fmt)
+            ips = run("resnet34", size, 16, steps, prec, fmt)["images_per_s"]
             base = base or ips
             print(f"round {r}  {prec:<11} {fmt:<14} {ips:8.2f} images/s  x{ips / base:.2f}",
                   flush=True)
