@@ -359,8 +359,8 @@ b::Values precision_train(Model model, const dd::Group& g, const b::Args& a) {
   // --op_profile=N: N more steps with every rank's operators timed (the
   // timed steps above run without the callback).
   if (const int n = static_cast<int>(a.num("op_profile", 0)); n > 0) {
-    b::OpProfile prof;
     dd::barrier(g);
+    b::OpProfile prof;
     const auto t0 = b::clock::now();
     for (int i = 0; i < n; ++i) one_step();
     const double total =
@@ -669,6 +669,14 @@ int main(int argc, char** argv) {
   auto own = b::take_own_flags(
       argc, argv,
       {"quick", "sections", "rounds", "round-id", "worlds", "op-profile"});
+  if (const auto n = own.str("op-profile", "0");
+      n.empty() || n.find_first_not_of("0123456789") != std::string::npos) {
+    std::fprintf(stderr,
+                 "ddp_bench: --op-profile=%s: expected a number of steps (an "
+                 "integer >= 0)\n",
+                 n.c_str());
+    return 2;
+  }
   register_all(own);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

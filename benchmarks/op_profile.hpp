@@ -14,6 +14,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -27,13 +28,19 @@ namespace ddpkit_bench {
 /// operator inside an autograd node's backward counts under its own name.
 /// What lies outside every operator is the framework around the kernels:
 /// autograd's engine, DDP's hooks and bucket bookkeeping, waits for
-/// communication, and on PyTorch's side the interpreter. One at a time.
+/// communication, and on PyTorch's side the interpreter. Work on other
+/// threads (gloo's, ddpkit's shared-memory channel) is not seen. One at a
+/// time (a second throws std::logic_error).
 class OpProfile {
  public:
   OpProfile() {
+    OpProfile* none = nullptr;
+    if (!self_.compare_exchange_strong(none, this)) {
+      throw std::logic_error(
+          "OpProfile: another one is active (one at a time)");
+    }
     depth_ = 0;
     thread_.store(std::this_thread::get_id());
-    self_.store(this);
     handle_ =
         at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end)
                                   .scopes({at::RecordScope::FUNCTION}));
@@ -45,7 +52,8 @@ class OpProfile {
   OpProfile(const OpProfile&) = delete;
   OpProfile& operator=(const OpProfile&) = delete;
 
-  /// Seconds inside each outermost operator, and its number of calls.
+  /// Seconds inside each outermost operator, and its number of calls. Read
+  /// it on the profiled thread (the callback writes it there).
   const std::map<std::string, std::pair<double, int64_t>>& ops() const {
     return ops_;
   }
@@ -67,8 +75,10 @@ class OpProfile {
   }
   static void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
     if (!counted(fn) || depth_ == 0 || --depth_ != 0) return;
+    const double elapsed =
+        std::chrono::duration<double>(clock::now() - start_).count();
     auto& [seconds, calls] = self_.load()->ops_[fn.name()];
-    seconds += std::chrono::duration<double>(clock::now() - start_).count();
+    seconds += elapsed;
     ++calls;
   }
 

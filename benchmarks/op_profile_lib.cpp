@@ -3,6 +3,9 @@
 // ctypes after `import torch` (it must be built against the same libtorch,
 // so that the callback lands in the registry PyTorch's operators consult).
 //
+//   ddpkit_op_profile_torch_version()  the libtorch version it was built
+//                              against, for the caller to compare with
+//                              torch.__version__
 //   ddpkit_op_profile_start()  start timing the calling thread's operators
 //   ddpkit_op_profile_stop()   stop; returns {"aten::name": [seconds,
 //                              calls], ...} as JSON, valid until the next
@@ -10,6 +13,8 @@
 #include <memory>
 #include <sstream>
 #include <string>
+
+#include <torch/version.h>
 
 #include "op_profile.hpp"
 
@@ -19,6 +24,11 @@ std::string result;
 }  // namespace
 
 extern "C" {
+
+__attribute__((visibility("default"))) const char*
+ddpkit_op_profile_torch_version() {
+  return TORCH_VERSION;
+}
 
 __attribute__((visibility("default"))) void ddpkit_op_profile_start() {
   active.reset();

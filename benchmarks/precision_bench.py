@@ -78,6 +78,14 @@ def pytorch_run(python, model, size, prec, fmt, op_profile=0, lib=None):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def steps_arg(text):
+    """--op-profile's value: an integer >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a number of steps (an integer >= 0)")
+    return int(text)
+
+
 def print_profile(label, rows, top=12):
     """Where the profiled steps went on each side, per step, averaged over
     the rounds: inside outermost ATen operators (the kernels and their
@@ -131,7 +139,7 @@ def main():
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--settings", default=",".join(f"{p}/{f}" for p, f in SETTINGS),
                     help="which of 32|bf16-mixed / contiguous|channels-last to run")
-    ap.add_argument("--op-profile", type=int, default=0, metavar="N",
+    ap.add_argument("--op-profile", type=steps_arg, default=0, metavar="N",
                     help="after the timed steps, N more steps with the time inside "
                     "each outermost ATen operator measured on both sides; prints "
                     "where the step goes and which part of the difference is "
@@ -197,6 +205,8 @@ def main():
     unit = {"charlm": "sequences/s (x context = tokens/s)"}
     for name, size in models:
         mine = [x for x in rows if x["model"] == name and x["size"] == size]
+        if not mine:  # e.g. the char LM with only channels-last asked for
+            continue
         print(f"\n{name}@{size}, batch {BATCH[name]} per rank x 2 ranks x 1 thread, "
               f"{unit.get(name, 'images/s')}, {a.rounds} round(s)")
         print("| round | precision | layout | ddpkit | PyTorch | ddpkit / PyTorch "

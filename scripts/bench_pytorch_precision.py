@@ -102,7 +102,13 @@ def load_op_profile(lib):
     that times ddpkit's operators (ddp_bench --op-profile), for PyTorch's."""
     import ctypes
     so = ctypes.CDLL(lib)
+    so.ddpkit_op_profile_torch_version.restype = ctypes.c_char_p
+    so.ddpkit_op_profile_start.restype = None
     so.ddpkit_op_profile_stop.restype = ctypes.c_char_p
+    built = so.ddpkit_op_profile_torch_version().decode()
+    if built != torch.__version__.split("+")[0]:
+        raise OSError(f"built against libtorch {built}, but this Python runs torch "
+                      f"{torch.__version__}")
     return so
 
 
@@ -194,7 +200,10 @@ def free_port():
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         argv, op_profile, lib = sys.argv[2:], 0, None
-        if len(argv) == 9 and argv[6] == "--op-profile" and argv[7].isdigit():
+        if len(argv) == 9 and argv[6] == "--op-profile":
+            if not argv[7].isdigit():
+                sys.exit(f"bench_pytorch_precision: --op-profile {argv[7]!r}: expected a "
+                         "number of steps (an integer >= 0)")
             argv, op_profile, lib = argv[:6], int(argv[7]), argv[8]
             try:
                 load_op_profile(lib)
