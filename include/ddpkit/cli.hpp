@@ -277,6 +277,20 @@ std::string resolve_auto_settings(CommonArgs& args, Model& model,
     }
     args.precision =
         train::precision_name(static_cast<train::Precision>(codes.precision));
+    // A run trained in 16-mixed on a GPU, resumed where there is none: say
+    // where 16-mixed came from and how to continue in another precision.
+    if (!codes.by_rule &&
+        codes.precision == static_cast<int>(train::Precision::fp16_mixed) &&
+        !device.is_cuda()) {
+      throw UsageError(
+          "precision auto: the run being resumed (" +
+          (from.empty() ? std::string("its checkpoint") : from) +
+          ") trained in 16-mixed, which needs a CUDA device, but this run "
+          "trains on " +
+          device.str() +
+          ". To continue it in another precision: --precision 32 (or "
+          "bf16-mixed) --resume-allow-changes");
+    }
   }
   if (layout_auto) {
     if (!why.empty()) why += "\n";

@@ -9,7 +9,11 @@
 #     run) and says so;
 #  3. resuming with another explicit precision is refused (exit 2, naming
 #     the change; the run's files untouched), and allowed with
-#     --resume-allow-changes, which says what changed.
+#     --resume-allow-changes, which says what changed;
+#  4. a checkpoint that records 16-mixed (a GPU run's; written here by
+#     Python's torch from DDPKIT_PYTHON), resumed with precision auto
+#     without a GPU, is refused (exit 2) naming the checkpoint and how to
+#     continue in another precision, and continuing that way works.
 set -uo pipefail
 out=$1 bin=$2
 # The CPU's rule is tested (a visible GPU would be the training device),
@@ -48,4 +52,27 @@ log=$("$bin" --out "$out" --epochs 3 "${common[@]}" --memory-format channels-las
   --precision 32 --resume auto --resume-allow-changes 2>&1) || { echo "$log"; fail "3: the allowed change failed"; }
 grep -q "with changed settings: precision bf16-mixed -> 32" <<<"$log" ||
   fail "3: the allowed change does not say what changed"
+
+py=${DDPKIT_PYTHON:-}
+if [[ -z "$py" || ! -x "$py" ]]; then
+  [[ "${CI:-}" == true ]] && fail "4: DDPKIT_PYTHON ('$py') is not a Python with torch"
+  echo "SKIPPED 4: no DDPKIT_PYTHON (a Python with torch) to write a 16-mixed checkpoint"
+  echo "PASS (1-3)"
+  exit 0
+fi
+last="$out/checkpoints/last.pt"
+"$py" - "$last" <<'PY' || fail "4: could not rewrite the checkpoint's precision"
+import sys, torch
+d = torch.load(sys.argv[1], weights_only=True)
+d["precision"] = "16-mixed"
+torch.save(d, sys.argv[1])
+PY
+"$here/expect_exit.sh" 2 "precision auto: the run being resumed \(.*last\.pt\) trained in 16-mixed, which needs a CUDA device, but this run trains on cpu.*--precision 32 .*--resume-allow-changes" \
+  "$bin" --out "$out" --epochs 4 "${common[@]}" --memory-format channels-last \
+  --resume auto || fail "4: a 16-mixed checkpoint resumed on a CPU was not refused clearly"
+log=$("$bin" --out "$out" --epochs 4 "${common[@]}" --memory-format channels-last \
+  --precision 32 --resume auto --resume-allow-changes 2>&1) ||
+  { echo "$log"; fail "4: continuing in 32 as the message says failed"; }
+grep -q "with changed settings: precision 16-mixed -> 32" <<<"$log" ||
+  fail "4: continuing in 32 does not say what changed"
 echo "PASS"
