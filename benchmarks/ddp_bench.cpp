@@ -366,9 +366,7 @@ b::Values precision_train(Model model, const dd::Group& g, const b::Args& a) {
     const double total =
         std::chrono::duration<double>(b::clock::now() - t0).count();
     double in_ops = 0;
-    for (const auto& [op, sc] : prof.ops()) {
-      std::string name = op;
-      std::replace(name.begin(), name.end(), ' ', '_');  // one word per key
+    for (const auto& [name, sc] : prof.ops()) {  // aten:: names: one word
       v["op:" + name] = 1e3 * sc.first / n;
       v["calls:" + name] = double(sc.second) / n;
       in_ops += sc.first;
