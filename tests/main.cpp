@@ -10,6 +10,30 @@
 
 #include "support.hpp"
 
+namespace {
+
+// Keeps the running case's name for DDPKIT_SKIP's report.
+struct CurrentCase : doctest::IReporter {
+  explicit CurrentCase(const doctest::ContextOptions& /*opts*/) {}
+  void report_query(const doctest::QueryData& /*data*/) override {}
+  void test_run_start() override {}
+  void test_run_end(const doctest::TestRunStats& /*stats*/) override {}
+  void test_case_start(const doctest::TestCaseData& data) override {
+    ddpkit::test::current_case() = data.m_name;
+  }
+  void test_case_reenter(const doctest::TestCaseData& /*data*/) override {}
+  void test_case_end(const doctest::CurrentTestCaseStats& /*stats*/) override {}
+  void test_case_exception(const doctest::TestCaseException& /*e*/) override {}
+  void subcase_start(const doctest::SubcaseSignature& /*s*/) override {}
+  void subcase_end() override {}
+  void log_assert(const doctest::AssertData& /*data*/) override {}
+  void log_message(const doctest::MessageData& /*data*/) override {}
+  void test_case_skipped(const doctest::TestCaseData& /*data*/) override {}
+};
+REGISTER_LISTENER("ddpkit-current-case", 1, CurrentCase);
+
+}  // namespace
+
 int main(int argc, char** argv) {
   if (const char* name = std::getenv("DDPKIT_TEST_WORKER")) {
     auto it = ddpkit::test::workers().find(name);
@@ -45,5 +69,14 @@ int main(int argc, char** argv) {
   }
   doctest::Context context;
   context.applyCommandLine(argc, argv);
-  return context.run();
+  const int rc = context.run();
+  // A skipped case is not a pass: exit 77 (CTest: skipped) when nothing
+  // failed but something was skipped (DDPKIT_SKIP, outside CI only).
+  const auto& skipped = ddpkit::test::skipped_cases();
+  if (rc == 0 && !skipped.empty() && !context.shouldExit()) {
+    std::fprintf(stderr, "%zu test case(s) SKIPPED:\n", skipped.size());
+    for (const auto& s : skipped) std::fprintf(stderr, "  %s\n", s.c_str());
+    return 77;
+  }
+  return rc;
 }

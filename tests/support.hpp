@@ -50,6 +50,56 @@ inline bool in_ci() {
   return ci && std::string(ci) == "true";
 }
 
+/// The test cases skipped in this process ("case: why"), in order.
+inline std::vector<std::string>& skipped_cases() {
+  static std::vector<std::string> list;
+  return list;
+}
+
+/// The name of the test case running now (set by the listener in main.cpp).
+inline std::string& current_case() {
+  static std::string name;
+  return name;
+}
+
+/// The one way a doctest case skips; use DDPKIT_SKIP(why), which returns
+/// from the case. Under CI=true (where scripts/install-deps.sh and root
+/// provide every prerequisite) it fails the case instead. Elsewhere it
+/// prints "SKIPPED: <case>: why", appends that line to $DDPKIT_SKIP_LOG
+/// when set (scripts/test.sh lists the file in its summary), and the test
+/// process then exits 77 unless something failed (main.cpp), which CTest
+/// reports as skipped: a skip never counts as a pass.
+inline void skip_case(const std::string& why) {
+  if (in_ci()) {
+    const std::string failure = why + "; CI=true, so this is not skipped";
+    FAIL(failure);
+  }
+  const auto line = current_case() + ": " + why;
+  skipped_cases().push_back(line);
+  MESSAGE("SKIPPED: " << why);
+  if (const char* log = std::getenv("DDPKIT_SKIP_LOG")) {
+    std::ofstream(log, std::ios::app) << "ddpkit_tests: " << line << "\n";
+  }
+}
+#define DDPKIT_SKIP(why)            \
+  do {                              \
+    ::ddpkit::test::skip_case(why); \
+    return;                         \
+  } while (false)
+
+/// For a case that this libtorch cannot run: tests/CMakeLists.txt excludes
+/// it by name from such builds (scripts/test.sh lists the exclusions), so
+/// reaching it there is an error, never a pass.
+#define DDPKIT_REQUIRE_BUILD(cond, why)                                \
+  do {                                                                 \
+    if (!(cond)) {                                                     \
+      FAIL("this build cannot run this case ("                         \
+           << why                                                      \
+           << "); tests/CMakeLists.txt excludes it by name from such " \
+              "builds, so it should not have run");                    \
+    }                                                                  \
+  } while (false)
+
 /// The Python with torch 2.x and torchvision that scripts/install-deps.sh
 /// puts in the project's virtual environment (DDPKIT_TEST_PYTHON, set by
 /// CMake; the environment variable DDPKIT_PYTHON overrides it), or "" when
@@ -79,19 +129,14 @@ inline void save_tensors(
 
 /// Runs `check` (a Python script's text) with the project's Python with
 /// torch and torchvision, arguments `args`; its exit status. When there is
-/// no such Python: a failure under CI, else a loud skip (returns -1).
+/// no such Python: skip_case (a failure under CI), and -1: return then.
 inline int run_python_check(const std::filesystem::path& dir,
                             const std::string& check, const std::string& args) {
   const auto py = python_with_torch();
   if (py.empty()) {
     // scripts/install-deps.sh makes the environment: in CI it must be there.
-    if (in_ci()) {
-      FAIL(
-          "no Python with torch and torchvision (run scripts/install-deps.sh)");
-    }
-    MESSAGE(
-        "SKIPPED: no Python with torch and torchvision (run "
-        "scripts/install-deps.sh)");
+    skip_case(
+        "no Python with torch and torchvision (run scripts/install-deps.sh)");
     return -1;
   }
   std::ofstream(dir / "check.py") << check;

@@ -966,13 +966,9 @@ TEST_SUITE("dist") {
   TEST_CASE(
       "liveness: a stopped rank (SIGSTOP) is named by the other within 30 s "
       "at the default settings, with its pid, in the flight record") {
-    if (!dist::compat::can_clone_store) {
-      MESSAGE(
-          "NOT RUN: this libtorch (< 2.5) cannot clone a store, so the "
-          "liveness watch is off in this build; the collective timeout finds "
-          "a stopped rank ('a collective that never completes ...')");
-      return;
-    }
+    DDPKIT_REQUIRE_BUILD(dist::compat::can_clone_store,
+                         "libtorch < 2.5 cannot clone a store: no liveness "
+                         "watch");
     TempDir dir;
     const auto flight = dir / "flight";
     auto [res, secs] =
@@ -1019,13 +1015,9 @@ TEST_SUITE("dist") {
       "desync: ranks waiting at the same collective number in different "
       "collectives are told within 10 s at the default settings, both sides "
       "named") {
-    if (!dist::compat::can_clone_store) {
-      MESSAGE(
-          "NOT RUN: this libtorch (< 2.5) cannot clone a store, so the "
-          "liveness watch (which finds a desync while running) is off; the "
-          "flight records still show it after the timeout (test above)");
-      return;
-    }
+    DDPKIT_REQUIRE_BUILD(dist::compat::can_clone_store,
+                         "libtorch < 2.5 cannot clone a store: no liveness "
+                         "watch");
     TempDir dir;
     const auto flight = dir / "flight";
     auto [res, secs] =
@@ -1081,12 +1073,9 @@ TEST_SUITE("dist") {
   TEST_CASE(
       "SIGTERM during a hang ends the ranks within 30 s, saying that no "
       "consistent checkpoint was possible and which one a resume uses") {
-    if (!dist::compat::can_clone_store) {
-      MESSAGE(
-          "NOT RUN: this libtorch (< 2.5) cannot clone a store, so the "
-          "liveness watch that ends a hung rank on SIGTERM is off");
-      return;
-    }
+    DDPKIT_REQUIRE_BUILD(dist::compat::can_clone_store,
+                         "libtorch < 2.5 cannot clone a store: no liveness "
+                         "watch");
     TempDir dir;
     const auto flight = dir / "flight";
     dist::SpawnResult res;
@@ -1407,15 +1396,9 @@ TEST_SUITE("dist") {
     if (std::system("unshare -m sh -c 'mount -t tmpfs -o size=12m tmpfs "
                     "/dev/shm' >/dev/null 2>&1") != 0) {
       // CI runs as root (the project's containers do): there it must run.
-      if (ddpkit::test::in_ci()) {
-        FAIL(
-            "no private mount namespace with its own /dev/shm (unshare -m "
-            "+ mount need CAP_SYS_ADMIN); CI=true, so this is not skipped");
-      }
-      MESSAGE(
-          "SKIPPED: no private mount namespace with its own /dev/shm "
-          "here (unshare -m + mount need CAP_SYS_ADMIN)");
-      return;
+      DDPKIT_SKIP(
+          "no private mount namespace with its own /dev/shm here (unshare "
+          "-m + mount need CAP_SYS_ADMIN)");
     }
     TempDir dir;
     const auto exe = std::filesystem::read_symlink("/proc/self/exe").string();

@@ -15,9 +15,8 @@ umount "$out" 2>/dev/null
 rm -rf "$dir"
 mkdir -p "$out"
 if ! mount -t tmpfs -o size=16m tmpfs "$out" 2>/dev/null; then
-  msg="cannot mount a tmpfs at $out (needs root with CAP_SYS_ADMIN)"
-  if [[ ${CI:-} == true ]]; then echo "FAIL: $msg"; exit 1; fi
-  echo "SKIPPED: $msg"; exit 0
+  source "$(dirname "$0")/skip.sh"
+  ddpkit_skip "cannot mount a tmpfs at $out (needs root with CAP_SYS_ADMIN)"
 fi
 common=(--out "$out" --synthetic-size 256 --batch-size 64 --quiet --workers 0
         --no-tensorboard --keep-best 0)

@@ -17,14 +17,8 @@
 #     --log-every-n-steps (the examples' default, 50, without it).
 set -euo pipefail
 source "$(dirname "$0")/torch_python.sh"
-if ! "$py" -c "import tensorboard" 2>/dev/null; then
-  if [[ ${CI:-} == true ]]; then
-    echo "FAILED: $py has no tensorboard (run scripts/install-deps.sh); CI=true, so this is not skipped"
-    exit 1
-  fi
-  echo "SKIPPED: $py has no tensorboard (run scripts/install-deps.sh)"
-  exit 77
-fi
+"$py" -c "import tensorboard" 2>/dev/null ||
+  ddpkit_skip "$py has no tensorboard (run scripts/install-deps.sh)"
 mode=$1
 shift
 every=""

@@ -7,14 +7,8 @@ py=""
 for p in "${DDPKIT_PYTHON:-}" "$(dirname "${BASH_SOURCE[0]}")/../../.venv/bin/python3"; do
   if [[ -n $p ]] && "$p" -c "import torch.distributed.run" 2>/dev/null; then py=$p; break; fi
 done
-if [[ -z $py ]]; then
-  if [[ ${CI:-} == true ]]; then
-    echo "FAILED: no Python with torch (run scripts/install-deps.sh); CI=true, so this is not skipped"
-    exit 1
-  fi
-  echo "SKIPPED: no Python with torch (run scripts/install-deps.sh)"
-  exit 77
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/skip.sh"
+[[ -n $py ]] || ddpkit_skip "no Python with torch (run scripts/install-deps.sh)"
 
 # torchrun's --standalone rendezvous always listens on localhost:29400, so
 # two standalone jobs at once (e.g. under `ctest -j`) collide. `new_rdzv`

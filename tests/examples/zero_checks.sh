@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # ZeRO-2 example checks against the DDP example's run.
 #   zero_checks.sh memory DDP_OUT ZERO_OUT
-#     summary.json's measured memory per rank: ZeRO's optimizer state is
-#     split (each rank below DDP's, the ranks' sum equal to it) and every
-#     rank's gradient peak is below DDP's.
+#     summary.json's memory per rank: as ddpkit counts it, ZeRO's optimizer
+#     state is split (each rank below DDP's, the ranks' sum equal to it) and
+#     every rank's gradient peak is below DDP's; as the kernel measured it
+#     (each rank's peak resident memory during a step, shared memory by its
+#     share), the ZeRO-2 ranks save, against DDP's, at least 3/4 of the
+#     state, gradients and gather buffer ddpkit counts.
 #   zero_checks.sh resume OUT ZERO_BIN DDP_BIN ARGS...
 #     a ZeRO run's checkpoint (1 epoch, world 2) resumes in the DDP build
 #     (world 2, to epoch 2), and a DDP checkpoint in the ZeRO build (to
@@ -18,16 +21,57 @@ case $mode in
 import json, sys
 ddp = json.load(open(f"{sys.argv[1]}/summary.json"))["memory_bytes_per_rank"]
 zero = json.load(open(f"{sys.argv[2]}/summary.json"))["memory_bytes_per_rank"]
-mb = lambda xs: " / ".join(f"{x / 2**20:.1f}" for x in xs)
-for key in ("optimizer_state", "gradients_peak", "parameter_gather"):
-    print(f"{key:16s} MiB per rank: DDP {mb(ddp[key])}   ZeRO-2 {mb(zero[key])}")
+MiB = 2**20
+mb = lambda xs: " / ".join(f"{x / MiB:.1f}" for x in xs)
+keys = ("optimizer_state", "gradients_peak", "parameter_gather",
+        "step_peak_resident", "step_peak_proportional")
+for key in keys:
+    print(f"{key:22s} MiB per rank: DDP {mb(ddp[key])}   ZeRO-2 {mb(zero[key])}")
 bad = []
+# What ddpkit counts from the tensors it holds.
 if not all(z < ddp["optimizer_state"][0] for z in zero["optimizer_state"]):
     bad.append("a ZeRO rank keeps as much optimizer state as DDP")
 if sum(zero["optimizer_state"]) != ddp["optimizer_state"][0]:
     bad.append("the ZeRO ranks' optimizer states do not add up to DDP's")
 if not all(z < min(ddp["gradients_peak"]) for z in zero["gradients_peak"]):
     bad.append("a ZeRO rank's gradient peak is not below DDP's")
+# What the kernel measured (docs/DESIGN.md, Note [Measured memory]): each
+# rank's peak during a step, shared memory by its share. ddpkit's counters
+# say a ZeRO-2 rank holds, against the same rank of DDP, the optimizer
+# state it does not own less (S - s: the state is SGD's momentum, one
+# buffer per parameter) and the gradients it does not keep less (G - g: g
+# its gradient peak, own gradients plus others' buckets in flight), and the
+# gather buffer more. Over the ranks, the saving the kernel measured must
+# be at least 3/4 of that counted saving. Measured here (Intel Xeon, torch
+# 2.11, ResNet-34 at world 2, 2026-12-05): 117-144 % of the counted 126
+# MiB in two runs, rank by rank 71-155 % (one epoch: 99 %) (glibc keeps freed memory for reuse: rank 0's
+# checkpoint consolidation between epochs shows in its later steps' peak),
+# so the rule is taken over the ranks. Buckets that ddpkit counts as freed
+# but that stay allocated (checked by keeping a reference to each freed
+# bucket) measured -13 % (ZeRO-2 held 17 MiB more than DDP).
+if not (ddp["step_peaks_per_step"] and zero["step_peaks_per_step"]):
+    bad.append("the kernel would not reset the peak per step")
+counted = measured = 0
+for r in range(len(zero["optimizer_state"])):
+    S = ddp["optimizer_state"][r]
+    G = ddp["gradients_peak"][r]
+    s = zero["optimizer_state"][r]
+    g = zero["gradients_peak"][r]
+    gather = zero["parameter_gather"][r]
+    c = (S - s) + (G - g) - gather
+    m = ddp["step_peak_proportional"][r] - zero["step_peak_proportional"][r]
+    counted += c
+    measured += m
+    print(f"rank {r}: measured step peak DDP {ddp['step_peak_proportional'][r] / MiB:.1f} "
+          f"MiB, ZeRO-2 {zero['step_peak_proportional'][r] / MiB:.1f}: saves "
+          f"{m / MiB:.1f} MiB; counted saving {c / MiB:.1f} ({(S - s) / MiB:.1f} "
+          f"state + {(G - g) / MiB:.1f} gradients - {gather / MiB:.1f} gather)")
+print(f"over the ranks: measured saving {measured / MiB:.1f} MiB, "
+      f"{100 * measured / counted:.0f} % of the counted {counted / MiB:.1f}")
+if measured < 0.75 * counted:
+    bad.append(f"the measured saving ({measured / MiB:.1f} MiB over the "
+               f"ranks) is below 3/4 of what ddpkit counts "
+               f"({counted / MiB:.1f} MiB)")
 if bad:
     sys.exit("FAILED: " + "; ".join(bad))
 print("ok")

@@ -110,15 +110,13 @@ hosts_up() {
   done
 }
 
-# The common start of a multi-host test: without root it says SKIPPED and
-# exits 77 (under CI=true hosts_up fails instead, saying why); then a fresh
+# The common start of a multi-host test: without root it skips
+# (tests/examples/skip.sh: exit 77, or a failure under CI=true); then a fresh
 # OUT folder and N hosts.
 multihost_begin() {
   local out=$1 n=$2
-  if [[ $(id -u) != 0 && ${CI:-} != true ]]; then
-    echo "SKIPPED: multi-host tests make network namespaces, which needs root"
-    exit 77
-  fi
+  source "$(dirname "${BASH_SOURCE[0]}")/../examples/skip.sh"
+  [[ $(id -u) == 0 ]] || ddpkit_skip "multi-host tests make network namespaces, which needs root"
   rm -rf "$out"
   mkdir -p "$out"
   hosts_up "$n"

@@ -9,10 +9,8 @@
 set -euo pipefail
 out=$1 ddp=$2
 shift 2
-if [[ $(id -u) != 0 && ${CI:-} != true ]]; then
-  echo "SKIPPED: a PID namespace needs root (unshare --pid)"
-  exit 77
-fi
+source "$(dirname "$0")/../examples/skip.sh"
+[[ $(id -u) == 0 ]] || ddpkit_skip "a PID namespace needs root (unshare --pid)"
 rm -rf "$out"
 mkdir -p "$out"
 port=$((29600 + $$ % 300))

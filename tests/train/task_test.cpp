@@ -404,12 +404,9 @@ TEST_SUITE("train") {
       "within 10 s at the default settings, both collectives named; rank 0 "
       "writing a checkpoint or rank 1's loader stalled longer than the "
       "silence limit is no false alarm") {
-    if (!dist::compat::can_clone_store) {
-      MESSAGE(
-          "NOT RUN: this libtorch (< 2.5) cannot clone a store, so the "
-          "liveness watch is off in this build");
-      return;
-    }
+    DDPKIT_REQUIRE_BUILD(dist::compat::can_clone_store,
+                         "libtorch < 2.5 cannot clone a store: no liveness "
+                         "watch");
     SUBCASE("a skipped batch") {
       TempDir dir;
       auto [res, secs] = test::timed_run_workers(

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -40,6 +41,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #if defined(DDPKIT_HAS_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
@@ -56,6 +58,30 @@ inline void set_cuda_device(int index) {
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
 #else
   (void)index;
+#endif
+}
+
+/// Resets the CUDA caching allocator's peak statistics of device `index`
+/// (nothing in a build without CUDA).
+inline void reset_cuda_peak_memory(int index) {
+#if defined(DDPKIT_HAS_CUDA)
+  c10::cuda::CUDACachingAllocator::resetPeakStats(
+      static_cast<c10::DeviceIndex>(index));
+#else
+  (void)index;
+#endif
+}
+
+/// The most bytes the CUDA caching allocator has had allocated at once on
+/// device `index` since its last reset (0 in a build without CUDA).
+inline uint64_t cuda_peak_allocated_bytes(int index) {
+#if defined(DDPKIT_HAS_CUDA)
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
+      static_cast<c10::DeviceIndex>(index));
+  return static_cast<uint64_t>(stats.allocated_bytes[0].peak);
+#else
+  (void)index;
+  return 0;
 #endif
 }
 

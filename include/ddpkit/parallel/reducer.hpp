@@ -87,10 +87,11 @@ struct ReducerOptions {
   /// (the default): every rank keeps every averaged gradient (DDP). Only
   /// with the plain mean (AllReduceMean); shared_buckets does not apply.
   TORCH_ARG(std::vector<int>, gradient_owners) = {};
-  /// ZeRO-2: how many buckets owned by other ranks may be held at once
-  /// during backward. When a new one is needed, backward first waits for
-  /// the oldest launched one's reduce and frees it (bounded memory, less
-  /// overlap).
+  /// ZeRO-2: how many buckets owned by other ranks are held at once during
+  /// backward when gradients arrive in bucket order. When a new one is
+  /// needed and this many are held, backward first waits for the oldest
+  /// launched one's reduce and frees it (bounded memory, less overlap).
+  /// See Note [ZeRO-2's buckets in flight] for when more are held.
   TORCH_ARG(int, unowned_buckets_in_flight) = 2;
 };
 
@@ -279,6 +280,12 @@ class Reducer {
   /// at once (one parameter's gradient for a moment).
   uint64_t peak_gradient_bytes() const {
     return peak_bytes_;
+  }
+  /// ZeRO-2: the most buckets of other ranks held at once during the last
+  /// completed step (see unowned_buckets_in_flight for the bound). 0 in
+  /// DDP.
+  std::size_t last_step_unowned_buckets_held() const {
+    return last_step_unowned_held_;
   }
 
   /// Before a backward (the DDP engine calls it from forward, as PyTorch's
@@ -617,6 +624,29 @@ class Reducer {
   // while unowned_buckets_in_flight are held. The parameters of the bucket
   // whose gradients have not arrived get their views now, so autograd
   // accumulates into them in place (only the first arrival is copied).
+  //
+  // Note [ZeRO-2's buckets in flight]
+  // Buckets launch strictly in index order (every rank must start the
+  // same collectives in the same order), and only a launched bucket can be
+  // waited for: one that has not launched is waiting for gradients that
+  // this same backward produces later, so waiting for it here, inside an
+  // autograd hook, would deadlock. When `limit` others' buckets are held
+  // and none has launched, another is allocated. So the bound
+  // unowned_buckets_in_flight holds while gradients arrive in bucket
+  // order: a bucket is then complete, and launched, before the next
+  // one's first gradient arrives. The buckets are built in reverse
+  // registration order and, after the first synchronised step, rebuilt
+  // once in the order rank 0's gradients arrived (rebuild_buckets), so a
+  // model whose backward visits its parameters in the same order every
+  // step holds at most `limit` from its second step on. More are held in
+  // the first step (when that order is not reverse registration order:
+  // branches, tied weights, modules registered in another order than they
+  // run), with rebuild_buckets(false), and in steps whose arrival order
+  // differs from the first (data-dependent branches): up to every other
+  // rank's bucket that received a gradient while a bucket below it was
+  // incomplete. last_step_unowned_buckets_held() reports the count; the
+  // test "ZeRO-2 holds at most unowned_buckets_in_flight ..." measures
+  // both cases on a model with branches and a tied weight.
   void allocate_unowned(std::size_t bi) {
     const auto limit = static_cast<std::size_t>(
         std::max(1, opts_.unowned_buckets_in_flight()));
@@ -638,6 +668,7 @@ class Reducer {
     }
     auto& b = buckets_[bi];
     allocate(b);
+    note_unowned_held();
     if (state_ != StepState::running) return;
     for (std::size_t j = 0; j < b.params.size(); ++j) {
       const auto k = b.params[j];
@@ -647,6 +678,15 @@ class Reducer {
         was_undefined_[k] = 1;
       }
     }
+  }
+
+  // Others' buckets allocated now, into the step's maximum (reported by
+  // last_step_unowned_buckets_held). Counted at a step's start too: the
+  // first step finds every bucket allocated at construction.
+  void note_unowned_held() {
+    std::size_t held = 0;
+    for (const auto& o : buckets_) held += !keeps(o) && o.flat.defined();
+    step_unowned_held_ = std::max(step_unowned_held_, held);
   }
 
   // At a step's start (the first gradient hook, of parameter `first`):
@@ -725,6 +765,7 @@ class Reducer {
     std::fill(was_undefined_.begin(), was_undefined_.end(), 0);
     expect_unused_.clear();
     arrival_.clear();
+    step_unowned_held_ = 0;
   }
 
   // A step is abandoned when it is running but the graph task that held
@@ -855,6 +896,7 @@ class Reducer {
       state_ = StepState::running;
       step_bytes_at_start_ = group_.bytes_started();
       count_loose_gradients(i);
+      note_unowned_held();
       // The token lives as long as the graph task holding the callback.
       auto token = std::make_shared<char>();
       callback_token_ = token;
@@ -1021,6 +1063,8 @@ class Reducer {
         }
       }
     }
+    // Before a rebuild, which starts a new step's counts.
+    last_step_unowned_held_ = step_unowned_held_;
     if (!failed && opts_.rebuild_buckets() && rebuilds_ == 0 &&
         rebuild_allowed_ && arrival_.size() == params_.size()) {
       rebuild_in_arrival_order();
@@ -1049,6 +1093,7 @@ class Reducer {
   std::vector<Bucket> buckets_;
   std::vector<int> owner_;  // per parameter (ZeRO-2), else -1
   uint64_t bucket_bytes_ = 0, peak_bytes_ = 0, loose_bytes_ = 0;
+  std::size_t step_unowned_held_ = 0, last_step_unowned_held_ = 0;
   std::vector<uint8_t> loose_;  // counted in loose_bytes_, not yet adopted
   std::vector<std::size_t> slot_bucket_;
   std::vector<std::size_t> slot_index_;

@@ -3,7 +3,9 @@
 // across ranks. Gradients are averaged as DDP averages them (the same
 // reducer, buckets and hooks); each rank then steps only the parameters it
 // owns, with the user's own libtorch optimizer built over them, and every
-// rank's updated parameters are broadcast from their owner. With Adam the
+// rank's updated parameters reach the others: among the ranks of one host
+// by an all-gather in place in shared memory, elsewhere by a broadcast
+// from each owner in turn (gather_parameters). With Adam the
 // state is 8 bytes per parameter: a rank keeps about 1/world of it.
 //
 // Checkpoints hold the optimizer state of the whole model, as a plain
@@ -165,7 +167,7 @@ inline ModelStateBytes model_state_bytes(double psi, int world, int stage,
 ///   return std::make_unique<torch::optim::AdamW>(p, 1e-3);
 /// }, group);
 /// loss.backward();   // DDP's reducer averaged the gradients
-/// opt.step();        // this rank's shard, then every shard broadcast
+/// opt.step();        // this rank's shard, then every shard to every rank
 /// opt.consolidate(); // every rank, before rank 0 saves it
 /// ```
 class ShardedOptimizer : public torch::optim::Optimizer {
@@ -620,7 +622,10 @@ struct ZeROOptions : DDPOptions {
 /// optimizer's; buckets never span two owners) while backward runs, and the
 /// other ranks free it: between steps a rank holds only its own gradients
 /// (about 1/world), and during backward at most
-/// `ReducerOptions::unowned_buckets_in_flight` buckets of others'. Usable
+/// `ReducerOptions::unowned_buckets_in_flight` buckets of others' while
+/// gradients arrive in bucket order: from the second step on for a model
+/// whose backward keeps its order; more before that (see the reducer's
+/// Note [ZeRO-2's buckets in flight]). Usable
 /// wherever DDP is: `Trainer<Model, ZeRO2, DistributedSampling, SyncBN>`.
 ///
 /// What differs from DDP for code that reads gradients: after a step's

@@ -5,6 +5,7 @@
 // hparams table.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -42,13 +43,22 @@ struct FitResult {
   /// the rank that waited least: the one the others waited for.
   std::vector<double> rank_wait_seconds;
   int slowest_rank = -1;
-  /// Per rank, in bytes, measured at the fit's end from the tensors held:
-  /// the optimizer state the rank keeps (ZeRO: its shard), the most
-  /// gradient bytes it held at once (the DDP reducer's buckets; ZeRO-2: its
-  /// own shard plus the others' buckets in flight), and the largest
-  /// buffer the parameters were gathered through (ZeRO; 0 otherwise).
+  /// Per rank, in bytes. Counted by ddpkit from the tensors held, at the
+  /// fit's end: the optimizer state the rank keeps (ZeRO: its shard), the
+  /// most gradient bytes it held at once (the DDP reducer's buckets;
+  /// ZeRO-2: its own shard plus the others' buckets in flight), and the
+  /// largest buffer the parameters were gathered through (ZeRO; 0
+  /// otherwise). Measured outside ddpkit (Note [Measured memory]): the
+  /// most the process had resident during a training step (the kernel's
+  /// high-water mark, reset per step; shared pages in full), the same with
+  /// shared memory counted by the rank's share, and on a CUDA device the
+  /// caching allocator's peak of allocated bytes during a step (0 on CPU).
   struct Memory {
     std::vector<double> optimizer_state, gradients_peak, parameter_gather;
+    std::vector<double> peak_resident, peak_proportional, device_peak;
+    /// false: the kernel would not reset the high-water mark, so the
+    /// resident peaks run from each process's start.
+    bool peaks_per_step = true;
   } memory;
 };
 
@@ -142,7 +152,16 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
     ddpkit::detail::JsonObject mem;
     mem.raw("optimizer_state", detail::json_array(r.memory.optimizer_state))
         .raw("gradients_peak", detail::json_array(r.memory.gradients_peak))
-        .raw("parameter_gather", detail::json_array(r.memory.parameter_gather));
+        .raw("parameter_gather", detail::json_array(r.memory.parameter_gather))
+        .raw("step_peak_resident", detail::json_array(r.memory.peak_resident))
+        .raw("step_peak_proportional",
+             detail::json_array(r.memory.peak_proportional))
+        .add("step_peaks_per_step", r.memory.peaks_per_step);
+    if (std::any_of(r.memory.device_peak.begin(), r.memory.device_peak.end(),
+                    [](double b) { return b > 0; })) {
+      mem.raw("step_peak_device_allocated",
+              detail::json_array(r.memory.device_peak));
+    }
     j.raw("memory_bytes_per_rank", mem.compact());
   }
   // Rank 0's step time by phase, ms per step (StepTimes).

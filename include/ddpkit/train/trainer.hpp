@@ -52,6 +52,7 @@
 #include "ddpkit/train/run_folder.hpp"
 #include "ddpkit/train/run_summary.hpp"
 #include "ddpkit/train/signals.hpp"
+#include "ddpkit/train/step_memory.hpp"
 #include "ddpkit/train/step_times.hpp"
 #include "ddpkit/train/task.hpp"
 #include "ddpkit/train/tensorboard.hpp"
@@ -218,7 +219,9 @@ class Trainer : private CheckpointWriter {
       while (next_step(batches, step)) {
         const auto got = clock::now();
         s.times.data += seconds_between(asked, got);
+        step_memory_.begin();
         const int sig = train_step(step, s, signals, emit);
+        step_memory_.end();
         emit(StepEnd{s});
         const auto done = clock::now();
         s.times.total += seconds_between(asked, done);
@@ -748,21 +751,29 @@ class Trainer : private CheckpointWriter {
     if constexpr (requires { engine_.gather_buffer_bytes(); }) {
       gather = static_cast<double>(engine_.gather_buffer_bytes());
     }
+    // Measured outside the code above (Note [Measured memory]).
+    const auto resident = static_cast<double>(step_memory_.peak_resident());
+    const auto proportional =
+        static_cast<double>(step_memory_.peak_proportional());
+    const auto device = static_cast<double>(step_memory_.peak_device());
     FitResult::Memory m;
-    if (!multi()) {
-      m.optimizer_state = {state};
-      m.gradients_peak = {grads};
-      m.parameter_gather = {gather};
-      return m;
+    m.peaks_per_step = step_memory_.per_step();
+    std::vector<double> mine{state,    grads,        gather,
+                             resident, proportional, device};
+    std::vector<torch::Tensor> all{torch::tensor(mine, torch::kFloat64)};
+    if (multi()) {
+      dist::CollectiveTag tag("memory report");
+      all = dist::all_gather(group_, all[0].to(group_.device()));
     }
-    dist::CollectiveTag tag("memory report");
-    auto mine = torch::tensor({state, grads, gather}, torch::kFloat64);
-    const auto all = dist::all_gather(group_, mine.to(group_.device()));
     for (const auto& t : all) {
       const auto v = t.cpu();
-      m.optimizer_state.push_back(v[0].template item<double>());
-      m.gradients_peak.push_back(v[1].template item<double>());
-      m.parameter_gather.push_back(v[2].template item<double>());
+      const auto at = [&](int64_t i) { return v[i].template item<double>(); };
+      m.optimizer_state.push_back(at(0));
+      m.gradients_peak.push_back(at(1));
+      m.parameter_gather.push_back(at(2));
+      m.peak_resident.push_back(at(3));
+      m.peak_proportional.push_back(at(4));
+      m.device_peak.push_back(at(5));
     }
     return m;
   }
@@ -1343,10 +1354,11 @@ class Trainer : private CheckpointWriter {
   bool join_ = false;         ///< this fit runs uneven_inputs(join)
   torch::Tensor resume_rng_;  ///< set by a mid-epoch resume until applied
   ddpkit::detail::RunLock
-      run_lock_;                  ///< rank 0: OUT held from the first fit on
-  int skipped_steps_ = 0;         ///< non-finite steps skipped in this process
-  std::int64_t data_size_ = 0;    ///< the training set's, for checkpoints
-  std::string data_fingerprint_;  ///< its `fingerprint()`, or ""
+      run_lock_;           ///< rank 0: OUT held from the first fit on
+  int skipped_steps_ = 0;  ///< non-finite steps skipped in this process
+  StepMemory step_memory_{device_};  ///< the steps' measured peaks
+  std::int64_t data_size_ = 0;       ///< the training set's, for checkpoints
+  std::string data_fingerprint_;     ///< its `fingerprint()`, or ""
 
   /// `d.fingerprint()` where the dataset has one (ImageFiles,
   /// ImageTensors), else "": recorded in checkpoints, compared at resume.
