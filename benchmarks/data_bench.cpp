@@ -23,6 +23,7 @@
 
 #include <ddpkit/ddpkit.hpp>
 #include <ddpkit/image.hpp>
+#include <ddpkit/testing.hpp>
 
 namespace dd = ddpkit::data;
 namespace ddt = ddpkit::testing;

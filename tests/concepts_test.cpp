@@ -97,6 +97,61 @@ static_assert(
 static_assert(std::is_class_v<SingleDeviceTrainer<Holder>>);
 static_assert(std::is_class_v<DataParallelTrainer<nn::ResNet>>);
 
+// Engine capabilities (Note [Engine capabilities]): what each shipped
+// engine declares, each declaration kept, and an engine that has a method
+// without declaring it (or declares it without the method) refused.
+namespace capability_checks {
+namespace cap = parallel::capability;
+using parallel::declares;
+using SD = SingleDevice::engine<Holder>;
+using DP = DataParallel::engine<Holder>;
+using D = DDP::engine<Holder>;
+using Z1 = ZeRO1::engine<Holder>;
+using Z2 = ZeRO2::engine<Holder>;
+static_assert(declares<SD, cap::takes_inputs> &&
+              declares<DP, cap::takes_inputs>);
+static_assert(!declares<SD, cap::joins> &&
+              !declares<SD, cap::shards_optimizer>);
+static_assert(declares<D, cap::takes_inputs> && declares<D, cap::joins> &&
+              declares<D, cap::measures_gradients> &&
+              declares<D, cap::counts_traffic> && declares<D, cap::names_comm>);
+static_assert(!declares<D, cap::shards_optimizer> &&
+              !declares<D, cap::clips_globally>);
+static_assert(declares<Z1, cap::shards_optimizer> && declares<Z1, cap::joins> &&
+              !declares<Z1, cap::clips_globally>);
+static_assert(declares<Z2, cap::shards_optimizer> &&
+              declares<Z2, cap::clips_globally> &&
+              declares<Z2, cap::names_mode>);
+static_assert(engine_keeps_its_declarations<SD> &&
+              engine_keeps_its_declarations<DP> &&
+              engine_keeps_its_declarations<D> &&
+              engine_keeps_its_declarations<Z1> &&
+              engine_keeps_its_declarations<Z2>);
+static_assert(engine_shards_optimizer<Z1> && engine_clips_globally<Z2> &&
+              engine_joins<D> && engine_takes_inputs<SD>);
+// Declared, then missing: refused, naming the capability.
+struct ClaimsClipping : SD {
+  using capabilities = SD::capabilities::with<cap::clips_globally>;
+};
+static_assert(!keeps_clips_globally<ClaimsClipping>);
+static_assert(!engine_keeps_its_declarations<ClaimsClipping>);
+// There, but not declared: refused for the two whose absence is wrong.
+struct UndeclaredClipping : SD {
+  using SD::SD;
+  double clip_grad_norm(double, double) {
+    return 0;
+  }
+};
+static_assert(!declares_global_clipping<UndeclaredClipping>);
+static_assert(!engine_keeps_its_declarations<UndeclaredClipping>);
+// An engine that declares nothing: the base contract alone.
+struct Plain : SD {
+  using capabilities = parallel::capabilities<>;
+};
+static_assert(engine_keeps_its_declarations<Plain> &&
+              !declares<Plain, cap::takes_inputs>);
+}  // namespace capability_checks
+
 // Callbacks: an event handled, named by its type; state only complete.
 namespace callback_checks {
 struct OnEpochEnd {

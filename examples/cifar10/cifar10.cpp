@@ -8,6 +8,7 @@
 //   ./cifar10-single --data ~/datasets    # reads cifar-10-batches-bin
 #include <ddpkit/cli.hpp>
 #include <ddpkit/ddpkit.hpp>
+#include <ddpkit/testing/synthetic.hpp>
 
 #include <cstdio>
 #include <filesystem>

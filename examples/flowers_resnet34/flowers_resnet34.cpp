@@ -11,6 +11,7 @@
 #include <ddpkit/cli.hpp>
 #include <ddpkit/ddpkit.hpp>
 #include <ddpkit/image.hpp>
+#include <ddpkit/testing.hpp>
 
 #include <cstdio>
 #include <filesystem>

@@ -23,6 +23,9 @@
 #define t t_misspelt_callback
 #include "misspelt_callback.cpp"
 #undef t
+#define t t_misspelt_capability
+#include "misspelt_capability.cpp"
+#undef t
 #define t t_not_a_task
 #include "not_a_task.cpp"
 #undef t

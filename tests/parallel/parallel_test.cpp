@@ -1797,6 +1797,21 @@ DDPKIT_WORKER(zero2_out_of_order) {
 
 TEST_SUITE("parallel") {
   TEST_CASE(
+      "ZeRO-2's bucket cap: 4 MiB unless one is set, and a set one kept") {
+    using parallel::ReducerOptions;
+    using parallel::ZeRO2;
+    CHECK(ZeRO2::bucket_cap(ReducerOptions()) == ZeRO2::kBucketCapBytes);
+    CHECK(ZeRO2::bucket_cap(ReducerOptions().bucket_cap_bytes(1 << 20)) ==
+          1 << 20);
+    // Set to DDP's own default: kept (it was replaced by 4 MiB before).
+    CHECK(ZeRO2::bucket_cap(ReducerOptions().bucket_cap_bytes(
+              ReducerOptions::kDefaultBucketCapBytes)) ==
+          ReducerOptions::kDefaultBucketCapBytes);
+    CHECK(ReducerOptions().bucket_cap_bytes() ==
+          ReducerOptions::kDefaultBucketCapBytes);
+    CHECK_FALSE(ReducerOptions().bucket_cap_set());
+  }
+  TEST_CASE(
       "ZeRO-2 holds at most unowned_buckets_in_flight other ranks' buckets "
       "from the second step on when gradients arrive out of registration "
       "order (branches run in reverse, a tied weight), more in the first "

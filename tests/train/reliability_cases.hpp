@@ -18,6 +18,7 @@
 #include "../support.hpp"
 #include "ddpkit/ddpkit.hpp"
 #include "ddpkit/image.hpp"
+#include "ddpkit/testing.hpp"
 
 namespace reliability_cases {
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -259,6 +260,42 @@ DDPKIT_WORKER(task_two_inputs_ddp) {
 
 TEST_SUITE("train") {
   TEST_CASE(
+      "TrainerOptions::sampling reaches DistributedSampling: shuffle(false) "
+      "trains in the dataset's order") {
+    struct Recorded {
+      RegressionSet base;
+      std::shared_ptr<std::vector<std::size_t>> seen =
+          std::make_shared<std::vector<std::size_t>>();
+      std::size_t size() const {
+        return base.size();
+      }
+      data::Example get(std::size_t i) const {
+        seen->push_back(i);
+        return base.get(i);
+      }
+    };
+    auto order = [](bool shuffle) {
+      TempDir out;
+      Recorded train_set{make_regression(12, 1)},
+          val_set{make_regression(4, 2)};
+      auto opts = regression_options(out.path()).epochs(1);
+      if (!shuffle)
+        opts.sampling(data::DistributedSamplingOptions().shuffle(false));
+      DDPTrainer<Regressor, PlainBN, NoScaling, ShardedEval, Regression> t(
+          Regressor(), sgd_momentum(), opts);
+      t.fit(train_set, val_set, data::LoaderOptions(4).workers(0));
+      return *train_set.seen;
+    };
+    std::vector<std::size_t> in_order(12);
+    std::iota(in_order.begin(), in_order.end(), std::size_t{0});
+    CHECK(order(false) == in_order);
+    CHECK(order(true) != in_order);  // the default shuffles
+    CHECK_THROWS_WITH_AS(
+        check_options(TrainerOptions().sampling(
+            data::DistributedSamplingOptions().evaluation(true))),
+        doctest::Contains("sampling().evaluation() is true"), UsageError);
+  }
+  TEST_CASE(
       "Regression through DDP (and ZeRO-1, ZeRO-2) at world 2 equals one "
       "process on "
       "the joined batch: weights and every metric (train and validation sums "
@@ -284,6 +321,8 @@ TEST_SUITE("train") {
     const auto summary = read_file(single / "summary.json");
     CHECK(summary.find("\"task\": \"regression\"") != std::string::npos);
     CHECK(summary.find("\"best_val_loss\":") != std::string::npos);
+    // No batch norm in the model: no BN policy to name.
+    CHECK(summary.find("\"bn\": \"none\"") != std::string::npos);
 
     // summary.json's measured memory per rank: "key":[a,b] in its
     // memory_bytes_per_rank object.

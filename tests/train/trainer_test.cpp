@@ -9,6 +9,7 @@
 
 #include "../support.hpp"
 #include "ddpkit/ddpkit.hpp"
+#include "ddpkit/testing.hpp"
 
 using namespace ddpkit;
 using ddpkit::test::run_workers;

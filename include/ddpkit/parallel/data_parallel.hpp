@@ -54,6 +54,9 @@ struct DataParallel {
     using Impl = typename Model::ContainedType;
 
    public:
+    /// See Note [Engine capabilities].
+    using capabilities =
+        ::ddpkit::parallel::capabilities<capability::takes_inputs>;
     engine(Model model, dist::Group, options_type opts, torch::Device device)
         : model_(std::move(model)) {
       devices_ = opts.devices();

@@ -53,6 +53,10 @@ struct BasicDDP {
   template <class Model>
   class engine {
    public:
+    /// See Note [Engine capabilities].
+    using capabilities = ::ddpkit::parallel::capabilities<
+        capability::takes_inputs, capability::measures_gradients,
+        capability::counts_traffic, capability::names_comm, capability::joins>;
     engine(Model model, dist::Group group, options_type opts,
            torch::Device device)
         : model_(std::move(model)),

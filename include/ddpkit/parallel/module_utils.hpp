@@ -43,6 +43,17 @@ inline std::vector<torch::Tensor> unique_parameters(
   return unique_tensors(m.parameters());
 }
 
+/// Whether `m` or one of its submodules is a batch norm: a module type
+/// whose name holds "BatchNorm" (libtorch's BatchNorm1d/2d/3d, ddpkit's
+/// SyncBatchNorm). What summary.json's "bn" is said of.
+inline bool has_batch_norm(const torch::nn::Module& m) {
+  if (m.name().find("BatchNorm") != std::string::npos) return true;
+  for (const auto& sub : m.modules(/*include_self=*/false)) {
+    if (sub->name().find("BatchNorm") != std::string::npos) return true;
+  }
+  return false;
+}
+
 /// Whether `m` has a 4-D parameter or buffer: the only tensors a memory
 /// format (channels-last) changes.
 inline bool has_4d_tensors(const torch::nn::Module& m) {

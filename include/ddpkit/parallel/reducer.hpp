@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_set>
@@ -44,8 +45,26 @@ namespace ddpkit::parallel {
 
 /// Reducer settings.
 struct ReducerOptions {
-  /// Bucket size cap (PyTorch: bucket_cap_mb = 25).
-  TORCH_ARG(int64_t, bucket_cap_bytes) = 25 * 1024 * 1024;
+  /// DDP's bucket size cap when none is set (PyTorch: bucket_cap_mb = 25).
+  static constexpr int64_t kDefaultBucketCapBytes = 25 * 1024 * 1024;
+  /// Bucket size cap: kDefaultBucketCapBytes unless set (ZeRO2 uses its own
+  /// smaller default when none is set, and honours any that is).
+  ReducerOptions& bucket_cap_bytes(int64_t bytes) {
+    bucket_cap_bytes_ = bytes;
+    return *this;
+  }
+  int64_t bucket_cap_bytes() const {
+    return bucket_cap_bytes_.value_or(kDefaultBucketCapBytes);
+  }
+  /// Whether a bucket cap was set (even one equal to the default).
+  bool bucket_cap_set() const {
+    return bucket_cap_bytes_.has_value();
+  }
+
+ private:
+  std::optional<int64_t> bucket_cap_bytes_;
+
+ public:
   /// The first bucket (the last layers' gradients, ready first) is smaller,
   /// so communication starts early.
   TORCH_ARG(int64_t, first_bucket_cap_bytes) = 1024 * 1024;

@@ -37,6 +37,9 @@ struct SingleDevice {
   template <class Model>
   class engine : public OneProcessGradients<engine<Model>> {
    public:
+    /// See Note [Engine capabilities].
+    using capabilities =
+        ::ddpkit::parallel::capabilities<capability::takes_inputs>;
     engine(Model model, dist::Group, options_type, torch::Device device)
         : model_(std::move(model)), device_(device) {
       as_module(model_).to(device_);

@@ -573,6 +573,9 @@ struct BasicZeRO1 {
     using base = typename BasicDDP<Comm>::template engine<Model>;
 
    public:
+    /// DDP's, and the optimizer sharded (Note [Engine capabilities]).
+    using capabilities = typename base::capabilities::template with<
+        capability::shards_optimizer>;
     using base::base;
 
     /// The Trainer's optimizer: `make` builds the user's optimizer over
@@ -649,14 +652,24 @@ struct ZeRO2 {
     return stage == 1 ? BasicZeRO1<AllReduceMean>::name : name;
   }
 
-  /// The bucket cap ZeRO-2 uses where DDPOptions leaves DDP's default.
+  /// The bucket cap ZeRO-2 uses where DDPOptions sets none.
   static constexpr int64_t kBucketCapBytes = int64_t{4} << 20;
+  /// The bucket cap ZeRO-2 runs with under `r`: the one set there, else
+  /// kBucketCapBytes.
+  static int64_t bucket_cap(const ReducerOptions& r) {
+    return r.bucket_cap_set() ? r.bucket_cap_bytes() : kBucketCapBytes;
+  }
 
   template <class Model>
   class engine : public BasicZeRO1<AllReduceMean>::template engine<Model> {
     using base = typename BasicZeRO1<AllReduceMean>::template engine<Model>;
 
    public:
+    /// ZeRO-1's, the norm clipped across gradient shards, and a mode name
+    /// by stage (Note [Engine capabilities]).
+    using capabilities =
+        typename base::capabilities::template with<capability::clips_globally,
+                                                   capability::names_mode>;
     engine(Model model, dist::Group group, options_type opts,
            torch::Device device)
         : engine(with_owners(model, group, opts), std::move(model),
@@ -740,12 +753,8 @@ struct ZeRO2 {
       DDPOptions opts = zero;
       if (zero.stage() == 1) return opts;
       // A bucket of others' gradients is memory held beyond the shard:
-      // DDP's default cap (25 MiB) becomes 4 MiB here; any other value
-      // is kept.
-      if (opts.reducer().bucket_cap_bytes() ==
-          ReducerOptions().bucket_cap_bytes()) {
-        opts.reducer().bucket_cap_bytes(kBucketCapBytes);
-      }
+      // 4 MiB here unless a cap was set (any set cap is kept, 25 MiB too).
+      opts.reducer().bucket_cap_bytes(bucket_cap(opts.reducer()));
       // The optimizer's partition is over each tensor once; the reducer
       // takes an owner per entry of parameters() (a tied weight's every
       // entry gets its tensor's owner).

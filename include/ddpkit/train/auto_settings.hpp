@@ -3,7 +3,8 @@
 // the precision by what the training device computes natively (a rule
 // from measurements, docs/BENCHMARKS.md), the layout by timing the model
 // (memory_format.hpp); and, for a run that resumes, what its checkpoint
-// recorded, so a resumed run continues as it began.
+// recorded (recorded_settings, checkpoint_connector.hpp), so a resumed run
+// continues as it began.
 #pragma once
 
 #include <filesystem>
@@ -14,9 +15,8 @@
 #include <torch/torch.h>
 
 #include "ddpkit/detail/cpu.hpp"
-#include "ddpkit/train/checkpoint.hpp"
+#include "ddpkit/train/checkpoint_connector.hpp"
 #include "ddpkit/train/options.hpp"
-#include "ddpkit/train/run_folder.hpp"
 
 namespace ddpkit::train {
 
@@ -63,51 +63,6 @@ inline PrecisionChoice auto_precision(torch::Device device) {
           "this CPU has no bfloat16 arithmetic (neither AMX nor AVX512-BF16; "
           "bfloat16 autocast measured about 25x slower than float32 on such "
           "a CPU, docs/BENCHMARKS.md)"};
-}
-
-/// The precision and memory format a checkpoint was written with ("" for
-/// each it does not record: checkpoints before them), and its path.
-struct RecordedSettings {
-  std::filesystem::path path;
-  std::string precision, memory_format;
-};
-
-/// The settings recorded in the checkpoint a resume (`resume`: a path or
-/// "auto", as TrainerOptions::resume; `out`: the run's folder) would start
-/// from: for "auto", last.pt, or last-prev.pt when last.pt is missing or
-/// cannot be read (as the Trainer's resume falls back). nullopt when
-/// `resume` is empty, there is no such checkpoint, or it cannot be read
-/// (the Trainer's resume then says why). Never throws. Reads the whole
-/// checkpoint (the Trainer reads it again to resume).
-inline std::optional<RecordedSettings> recorded_settings(
-    const std::string& resume, const std::filesystem::path& out) noexcept {
-  namespace fs = std::filesystem;
-  auto read = [](const fs::path& path) -> std::optional<RecordedSettings> {
-    std::error_code ec;
-    if (!fs::is_regular_file(path, ec)) return std::nullopt;
-    try {
-      const Checkpoint c = open_checkpoint(path);
-      RecordedSettings r{path, "", ""};
-      c10::IValue v;
-      if (c.try_read("precision", v) && v.isString()) {
-        r.precision = v.toStringRef();
-      }
-      if (c.try_read("memory_format", v) && v.isString()) {
-        r.memory_format = v.toStringRef();
-      }
-      return r;
-    } catch (const std::exception&) {
-      return std::nullopt;
-    }
-  };
-  try {
-    if (resume.empty()) return std::nullopt;
-    if (resume != "auto") return read(resume);
-    if (auto r = read(last_checkpoint(out))) return r;
-    return read(previous_checkpoint(out));
-  } catch (...) {
-    return std::nullopt;
-  }
 }
 
 }  // namespace ddpkit::train

@@ -99,6 +99,26 @@ struct FitState {
   double wait_at_epoch_start = 0;
 };
 
+/// Counts epoch `m` towards the best (a better monitored value, the first
+/// that is not NaN) or the bad epochs since.
+inline void rank_epoch(FitState& s, const EpochMetrics& m) {
+  const double v = m.value(s.monitor.name);
+  if (s.best_epoch == 0 ? !std::isnan(v) : s.monitor.better(v, s.best)) {
+    s.best = v;
+    s.best_epoch = m.epoch;
+    s.bad_epochs = 0;
+  } else {
+    ++s.bad_epochs;
+  }
+}
+
+/// Best value, its epoch and the epochs since, from the history alone.
+inline void rank_history(FitState& s) {
+  s.best = std::numeric_limits<double>::quiet_NaN();
+  s.best_epoch = s.bad_epochs = 0;
+  for (const auto& m : s.history) rank_epoch(s, m);
+}
+
 /// After resuming, before the first epoch.
 struct FitBegin {
   FitState& state;

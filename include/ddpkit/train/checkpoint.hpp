@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// Checkpoints: one dict of named values in torch.save's zip format, written
+// The checkpoint file format: one dict of named values in torch.save's zip
+// format (the container; what a Trainer's checkpoint holds is
+// checkpoint_connector.hpp's), written
 // atomically (temporary file, flush, fsync, rename), so a crash mid-write
 // never leaves a broken `last` or `best`, and loaded with errors that name
 // the file and the first mismatching key.
@@ -55,6 +57,14 @@ class Checkpoint {
 
   void write(const std::string& key, c10::IValue value) {
     dict_.insert_or_assign(key, std::move(value));
+  }
+  /// The container's own entries: "format" (kCheckpointFormat),
+  /// "format_version" (kCheckpointVersion) and "torch_version" (the
+  /// writer's libtorch).
+  void stamp() {
+    write("format", std::string(kCheckpointFormat));
+    write("format_version", kCheckpointVersion);
+    write("torch_version", ddpkit::compat::torch_version());
   }
   /// The optimizer's state, in libtorch's own format, under "optimizer".
   void write_optimizer(const torch::optim::Optimizer& optimizer) {
@@ -397,201 +407,5 @@ inline std::string fingerprint_difference(const std::string& before,
   }
   return out;
 }
-
-/// Every key of a Trainer's checkpoint, written and read here alone: the
-/// format, the model, the optimizer, where the run stands, the history, the
-/// CPU generators, and (from the Trainer) each stateful callback's state
-/// under "callbacks/<name>".
-///
-/// Keys: format, format_version, torch_version, model, optimizer,
-/// epochs_done, best, best_epoch, bad_epochs, monitor, monitor_mode,
-/// world_size, seed, data_size, data_fingerprint, precision, memory_format,
-/// loss_scale, global_step, history, history_columns,
-/// rng_cpu, epoch_batches_done, and in mid-epoch checkpoints epoch_sums
-/// ([loss sum, samples, task sums...] over all ranks) and rng_cpu_ranks.
-/// Format 3 checkpoints (before tasks) have best_val_acc for best, no
-/// monitor (val_acc) and no history_columns (Classification's), and
-/// epoch_sums [loss sum, correct, samples]; they still load.
-struct TrainingState {
-  int epochs_done = 0;
-  double best = std::numeric_limits<double>::quiet_NaN();  ///< NaN: none
-  int best_epoch = 0;
-  int bad_epochs = 0;
-  std::string monitor = "val_acc";  ///< the metric `best` is of
-  std::string monitor_mode = "max";
-  /// The writer's world size and seed (none in checkpoints before them).
-  std::optional<std::int64_t> world_size;
-  std::optional<std::int64_t> seed;
-  /// The training set's size and fingerprint (its `fingerprint()`, "" for a
-  /// dataset without one) when written; none in checkpoints before them.
-  std::optional<std::int64_t> data_size;
-  std::string data_fingerprint;
-  /// The writer's precision ("32", "bf16-mixed", "16-mixed") and memory
-  /// format ("contiguous", "channels-last"); "" in checkpoints before them.
-  std::string precision, memory_format;
-  double loss_scale = 1;
-  /// Batches trained so far (TensorBoard's step axis); 0 when the
-  /// checkpoint predates it (format 2).
-  std::int64_t global_step = 0;
-  std::vector<EpochMetrics> history;
-  /// The task's history columns (train_<m>..., val_<m>...).
-  std::vector<std::string> columns;
-  torch::Tensor rng_cpu;  ///< the writer's CPU generator (written only)
-  /// Batches done in the unfinished epoch `epochs_done` (0: at an epoch's
-  /// end), and what resuming there needs.
-  std::int64_t epoch_batches_done = 0;
-  torch::Tensor epoch_sums;  ///< [loss sum, samples, task sums...]
-  torch::Tensor rng_ranks;   ///< [world, state]: every rank's generator
-
-  void save(Checkpoint& archive, const torch::nn::Module& model,
-            const torch::optim::Optimizer& optimizer) const {
-    archive.write("format", std::string(kCheckpointFormat));
-    archive.write("format_version", kCheckpointVersion);
-    archive.write("torch_version", ddpkit::compat::torch_version());
-    archive.write("model", c10::IValue(nn::state_dict(model)));
-    archive.write_optimizer(optimizer);
-    archive.write("epochs_done", static_cast<std::int64_t>(epochs_done));
-    archive.write("best", best);
-    archive.write("best_epoch", static_cast<std::int64_t>(best_epoch));
-    archive.write("bad_epochs", static_cast<std::int64_t>(bad_epochs));
-    archive.write("monitor", monitor);
-    archive.write("monitor_mode", monitor_mode);
-    archive.write("world_size", world_size.value_or(1));
-    archive.write("seed", seed.value_or(0));
-    if (data_size) {
-      archive.write("data_size", *data_size);
-      archive.write("data_fingerprint", data_fingerprint);
-    }
-    if (!precision.empty()) archive.write("precision", precision);
-    if (!memory_format.empty()) archive.write("memory_format", memory_format);
-    archive.write("loss_scale", loss_scale);
-    archive.write("global_step", global_step);
-    archive.write("epoch_batches_done", epoch_batches_done);
-    if (epoch_batches_done > 0) {
-      archive.write("epoch_sums", epoch_sums);
-      archive.write("rng_cpu_ranks", rng_ranks);
-    }
-    const auto width = static_cast<std::int64_t>(1 + columns.size()) +
-                       EpochMetrics::kTimingFields;
-    auto hist = torch::zeros({static_cast<std::int64_t>(history.size()), width},
-                             torch::kFloat64);
-    for (std::size_t i = 0; i < history.size(); ++i) {
-      hist[static_cast<std::int64_t>(i)] = history[i].to_tensor();
-    }
-    archive.write("history", hist);
-    archive.write("history_columns", ddpkit::detail::join(columns, ","));
-    archive.write("rng_cpu", rng_cpu);
-  }
-
-  /// Reads what `save` wrote (and format 2/3 checkpoints), for a task whose
-  /// history columns are `columns` and which keeps `num_sums` sums; a
-  /// UsageError naming the file and key for anything missing, malformed or
-  /// written by another task. The model and optimizer are loaded by
-  /// `load_module_checked` and `load_optimizer_checked`.
-  static TrainingState load(const Checkpoint& archive,
-                            const std::filesystem::path& file,
-                            const std::vector<std::string>& columns,
-                            std::size_t num_sums) {
-    using ddpkit::detail::cat;
-    constexpr int kMax = std::numeric_limits<int>::max();
-    TrainingState r;
-    r.columns = columns;
-    r.epochs_done = read_checkpoint_int(archive, "epochs_done", file, 0, kMax);
-    c10::IValue v;
-    const bool tasks = archive.try_read("best", v);  // format 4 on
-    r.best =
-        read_checkpoint_scalar(archive, tasks ? "best" : "best_val_acc", file);
-    r.best_epoch = read_checkpoint_int(archive, "best_epoch", file, -1, kMax);
-    r.bad_epochs = read_checkpoint_int(archive, "bad_epochs", file, 0, kMax);
-    if (tasks) {
-      r.monitor = read_checkpoint_string(archive, "monitor", file);
-      r.monitor_mode = read_checkpoint_string(archive, "monitor_mode", file);
-    } else if (r.best_epoch == 0) {
-      r.best = std::numeric_limits<double>::quiet_NaN();  // was -1: none
-    }
-    r.loss_scale = read_checkpoint_scalar(archive, "loss_scale", file);
-    if (archive.try_read("world_size", v) && v.isInt()) {
-      r.world_size = v.toInt();
-    }
-    if (archive.try_read("seed", v) && v.isInt()) r.seed = v.toInt();
-    if (archive.try_read("data_size", v)) {
-      r.data_size = read_checkpoint_int(archive, "data_size", file, 0, kMax);
-      r.data_fingerprint =
-          read_checkpoint_string(archive, "data_fingerprint", file);
-    }
-    if (archive.try_read("precision", v)) {
-      r.precision = read_checkpoint_string(archive, "precision", file);
-    }
-    if (archive.try_read("memory_format", v)) {
-      r.memory_format = read_checkpoint_string(archive, "memory_format", file);
-    }
-    if (archive.try_read("global_step", v)) {
-      r.global_step =
-          read_checkpoint_int(archive, "global_step", file, 0, kMax);
-    }
-    // The history's task columns: this task's, or the checkpoint was
-    // written for another task.
-    const std::string want = ddpkit::detail::join(columns, ",");
-    const std::string had =
-        archive.try_read("history_columns", v)
-            ? read_checkpoint_string(archive, "history_columns", file)
-            : std::string("train_loss,train_acc,val_loss,val_acc");
-    if (had != want) {
-      throw UsageError(cat("checkpoint ", file.string(),
-                           " was written for a task whose metrics are ", had,
-                           "; this run's task has ", want));
-    }
-    if (archive.try_read("history", v)) {
-      const auto n = static_cast<std::int64_t>(1 + columns.size());
-      const bool ok =
-          v.isTensor() && v.toTensor().dim() == 2 &&
-          (v.toTensor().size(1) == n + EpochMetrics::kTimingFields ||
-           v.toTensor().size(1) == n + EpochMetrics::kTimingFieldsV2) &&
-          v.toTensor().is_floating_point();
-      if (!ok) {
-        throw UsageError(
-            cat("checkpoint ", file.string(), ": 'history' is not an N x ",
-                n + EpochMetrics::kTimingFields,
-                " (or, from format version 2, N x ",
-                n + EpochMetrics::kTimingFieldsV2, ") table of numbers"));
-      }
-      auto h = v.toTensor().to(torch::kFloat64).contiguous();
-      for (std::int64_t i = 0; i < h.size(0); ++i) {
-        const double epoch = h[i][0].item<double>();
-        if (!(epoch >= 0 && epoch <= kMax)) {
-          throw UsageError(cat("checkpoint ", file.string(), ": 'history' row ",
-                               i, " has epoch ", epoch));
-        }
-        r.history.push_back(EpochMetrics::from_tensor(h[i], columns));
-      }
-    }
-    if (!archive.try_read("epoch_batches_done", v)) return r;  // format 2
-    r.epoch_batches_done =
-        read_checkpoint_int(archive, "epoch_batches_done", file, 0, kMax);
-    if (r.epoch_batches_done == 0) return r;
-    c10::IValue sums, rng;
-    const bool ok = archive.try_read("epoch_sums", sums) && sums.isTensor() &&
-                    archive.try_read("rng_cpu_ranks", rng) && rng.isTensor() &&
-                    rng.toTensor().dim() == 2 &&
-                    rng.toTensor().scalar_type() == torch::kUInt8;
-    const auto width = static_cast<std::int64_t>(2 + num_sums);
-    torch::Tensor t =
-        ok ? sums.toTensor().to(torch::kFloat64).cpu().reshape({-1})
-           : torch::Tensor();
-    if (ok && !tasks && t.numel() == 3 && num_sums == 3) {
-      // Format 3: [loss sum, correct, samples] of Classification.
-      t = torch::stack({t[0], t[2], t[0], t[1], t[2]});
-    }
-    if (!ok || t.numel() != width) {
-      throw UsageError(cat("checkpoint ", file.string(), " stops after batch ",
-                           r.epoch_batches_done,
-                           " of an epoch but lacks 'epoch_sums' of ", width,
-                           " numbers or 'rng_cpu_ranks' (a damaged file?)"));
-    }
-    r.epoch_sums = t;
-    r.rng_ranks = rng.toTensor().cpu();
-    return r;
-  }
-};
 
 }  // namespace ddpkit::train

@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/data/samplers.hpp"
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/strings.hpp"
 #include "ddpkit/train/clip.hpp"
@@ -171,6 +172,11 @@ struct TrainerOptions {
   TORCH_ARG(std::string, run_name) = "ddpkit";
   /// Drop the tail of the training set so every rank has equal batches.
   TORCH_ARG(bool, drop_last) = false;
+  /// DistributedSampling's own options for the training set (e.g.
+  /// `.shuffle(false)`: every epoch in the dataset's order, sharded);
+  /// other samplers ignore them. `evaluation` must stay false (the Trainer
+  /// shards evaluation itself).
+  TORCH_ARG(data::DistributedSamplingOptions, sampling) = {};
   /// Ranks with different batch counts: refuse (default) or join.
   TORCH_ARG(UnevenInputs, uneven_inputs) = UnevenInputs::refuse;
   /// 32 (default), bf16-mixed (CPU and CUDA) or 16-mixed (CUDA); see
@@ -231,6 +237,12 @@ inline void check_options(const TrainerOptions& o) {
   }
   if (!(o.lr() > 0)) {
     throw UsageError(cat("lr ", o.lr(), " must be > 0"));
+  }
+  if (o.sampling().evaluation()) {
+    throw UsageError(
+        "sampling().evaluation() is true: the training sampler cannot be in "
+        "evaluation mode (ranks would differ by a sample and DDP would hang); "
+        "the Trainer shards evaluation itself");
   }
   if (o.max_steps() < 0) {
     throw UsageError(cat("max_steps ", o.max_steps(), " must be >= 0"));

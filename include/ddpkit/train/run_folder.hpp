@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // The output folder of a run (rank 0's side): one run at a time holds it
 // (detail/run_lock.hpp), a fresh run does not silently write over an
-// earlier one, and `resume("auto")` finds the newest checkpoint that is
-// whole, falling back from a damaged `last.pt` to `last-prev.pt`.
+// earlier one; where its checkpoints are (`resume("auto")` reads them:
+// checkpoint_connector.hpp).
 #pragma once
 
 #include <cstdio>
@@ -94,55 +94,37 @@ inline ddpkit::detail::RunLock prepare_output_folder(
   return lock;
 }
 
-/// A checkpoint's bytes as read for a resume, and from where.
-struct ResumeSource {
-  std::filesystem::path path;
-  std::string bytes;
-};
+/// What a resume of the run in `out` would start from, in words (for a
+/// rank ended by the liveness watch while a signal waited).
+inline std::string resume_hint(const std::filesystem::path& out) {
+  std::error_code ec;
+  if (!out.empty() && std::filesystem::exists(last_checkpoint(out), ec)) {
+    return ddpkit::detail::cat("a resume (--resume auto) starts from ",
+                               last_checkpoint(out).string(),
+                               ", the last checkpoint written");
+  }
+  return "no checkpoint was written yet: a resume starts from scratch";
+}
 
-/// Rank 0: the checkpoint `resume` names, read whole. "auto": last.pt, or
-/// when it is missing or `check` finds it damaged, last-prev.pt (a warning
-/// on stderr names the damaged file and why); nullopt when the folder has
-/// neither (a fresh start). A named path must exist and is not replaced.
-inline std::optional<ResumeSource> read_resume_source(
-    const std::string& resume, const std::filesystem::path& out,
-    const std::function<void(const std::string&, const std::filesystem::path&)>&
-        check) {
+/// Rank `rank`'s flight record goes to OUT/flight/rank-K.json: an earlier
+/// run's record of this rank is removed first (and, on rank 0, every
+/// rank's and the doctor's verdicts), so ddpkit-doctor never reads a stale
+/// one. Returns the folder.
+inline std::filesystem::path prepare_flight_folder(
+    const std::filesystem::path& out, int rank) {
   namespace fs = std::filesystem;
-  using ddpkit::detail::cat;
-  auto read = [](const fs::path& p) {
-    return ResumeSource{
-        p, ddpkit::detail::read_whole_file(p, "checkpoint " + p.string())};
-  };
-  if (resume != "auto") {
-    if (!fs::is_regular_file(resume)) {
-      throw UsageError(cat("checkpoint ", resume, " does not exist"));
+  const fs::path dir = out / "flight";
+  std::error_code ec;
+  fs::remove(dir / ddpkit::detail::cat("rank-", rank, ".json"), ec);
+  if (rank == 0 && fs::is_directory(dir, ec)) {
+    for (const auto& f : fs::directory_iterator(dir, ec)) {
+      const auto name = f.path().filename().string();
+      if (name.rfind("rank-", 0) == 0 || name.rfind("verdict.", 0) == 0) {
+        fs::remove(f.path(), ec);
+      }
     }
-    return read(resume);
   }
-  const fs::path last = last_checkpoint(out), prev = previous_checkpoint(out);
-  std::string why;
-  if (fs::is_regular_file(last)) {
-    try {
-      auto src = read(last);
-      check(src.bytes, src.path);
-      return src;
-    } catch (const Error& e) {
-      if (!fs::is_regular_file(prev)) throw;
-      why = e.what();
-    }
-  } else if (!fs::is_regular_file(prev)) {
-    return std::nullopt;
-  } else {
-    why = "it is missing (a run stopped while replacing it)";
-  }
-  std::fprintf(stderr,
-               "warning: resume auto: cannot use %s: %s; resuming from the "
-               "checkpoint before it, %s\n",
-               last.c_str(), why.c_str(), prev.c_str());
-  auto src = read(prev);
-  check(src.bytes, src.path);
-  return src;
+  return dir;
 }
 
 }  // namespace ddpkit::train

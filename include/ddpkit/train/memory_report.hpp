@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// Each rank's memory at the end of a fit (FitResult::Memory, summary.json):
+// what the engine and optimizer account for (optimizer state, gradients,
+// the parameters' gather buffer) beside what the kernel and the allocator
+// measured during the steps (step_memory.hpp: Note [Measured memory]),
+// gathered from every rank.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/distributed/collectives.hpp"
+#include "ddpkit/parallel/engine.hpp"
+#include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/parallel/zero.hpp"
+#include "ddpkit/train/run_summary.hpp"
+#include "ddpkit/train/step_memory.hpp"
+
+namespace ddpkit::train {
+
+/// Each rank's memory, measured now; with `group` (several processes)
+/// every rank calls it at the same point and all receive every rank's.
+template <class Engine>
+FitResult::Memory measure_memory(Engine& engine,
+                                 const torch::optim::Optimizer* optimizer,
+                                 const StepMemory& steps,
+                                 const dist::Group* group) {
+  const double state =
+      optimizer ? static_cast<double>(
+                      parallel::local_optimizer_state_bytes(*optimizer))
+                : 0.0;
+  double grads = 0, gather = 0;
+  if constexpr (parallel::declares<Engine,
+                                   parallel::capability::measures_gradients>) {
+    grads = static_cast<double>(engine.peak_gradient_bytes());
+  } else {
+    grads = static_cast<double>(
+        parallel::held_gradient_bytes(parallel::as_module(engine.module())));
+  }
+  if constexpr (parallel::declares<Engine,
+                                   parallel::capability::shards_optimizer>) {
+    gather = static_cast<double>(engine.gather_buffer_bytes());
+  }
+  // Measured outside the code above (Note [Measured memory]).
+  const auto resident = static_cast<double>(steps.peak_resident());
+  const auto proportional = static_cast<double>(steps.peak_proportional());
+  const auto device = static_cast<double>(steps.peak_device());
+  FitResult::Memory m;
+  m.peaks_per_step = steps.per_step();
+  std::vector<double> mine{state,    grads,        gather,
+                           resident, proportional, device};
+  std::vector<torch::Tensor> all{torch::tensor(mine, torch::kFloat64)};
+  if (group) {
+    dist::CollectiveTag tag("memory report");
+    all = dist::all_gather(*group, all[0].to(group->device()));
+  }
+  for (const auto& t : all) {
+    const auto v = t.cpu();
+    const auto at = [&](int64_t i) { return v[i].template item<double>(); };
+    m.optimizer_state.push_back(at(0));
+    m.gradients_peak.push_back(at(1));
+    m.parameter_gather.push_back(at(2));
+    m.peak_resident.push_back(at(3));
+    m.peak_proportional.push_back(at(4));
+    m.device_peak.push_back(at(5));
+  }
+  return m;
+}
+
+}  // namespace ddpkit::train
