@@ -36,6 +36,32 @@
 #
 #   here:   scripts/gpu-prepare.sh
 #   device: run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=570)
+#
+# Note [GPU choices, compiled here, run only by scripts/gpu-check.sh]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# GPU choices, compiled here, run only by `scripts/gpu-check.sh` (on a lent
+# H200, 2026-12-04: its "cuda" suite passes; docs/GPU.md). AMP's unscale and
+# inf/NaN check is one fused ATen call over all gradients
+# (`_amp_foreach_non_finite_check_and_unscale_`) and one host sync per step
+# (`parallel/loss_scaler.hpp`, `LossScaler`; a max all-reduce of the flag
+# under DDP so every rank skips the same steps). SyncBN on CUDA uses ATen's
+# batch-norm statistics kernels (`batch_norm_stats`,
+# `batch_norm_gather_stats_with_counts`, `batch_norm_backward_reduce`,
+# `batch_norm_backward_elemt`); the float64 merge stays on the CPU path.
+# DataParallel's replica threads copy the caller's autocast state. Every
+# rank's CUDA work runs on its own device: an NCCL group makes LOCAL_RANK the
+# rank's current device before its communicator exists (a LOCAL_RANK past the
+# device count is refused before the rendezvous, so a rank too many fails at
+# once instead of after the rendezvous timeout), and threads that launch CUDA
+# work for it set their device first (`compat::CudaDeviceScope`:
+# DataParallel's replica threads, loader workers pinning batches on the
+# consumer's device), since a new thread starts on device 0 and would make a
+# context there. Untested on several GPUs (the lent machine has one; its
+# "cuda" suite checks the refusal and that the device is set). NCCL groups
+# never set up the shared-memory channel. NCCL's error handling is chosen
+# explicitly (`GroupOptions::nccl_error_handling`): blocking wait (default: a
+# timed-out or failed collective throws on every rank, naming the operation)
+# or PyTorch's asynchronous teardown by the watchdog.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-gpu-out}

@@ -14,16 +14,7 @@
 
 #include "char_model.hpp"
 
-#if defined(DDPKIT_MODE_DDP)
-using Mode = ddpkit::DDP;
-#elif defined(DDPKIT_MODE_ZERO)
-// ZeRO stage 2: optimizer state and gradients sharded across processes.
-using Mode = ddpkit::ZeRO2;
-#elif defined(DDPKIT_MODE_DP)
-using Mode = ddpkit::DataParallel;
-#else
-using Mode = ddpkit::SingleDevice;
-#endif
+#include "../example_mode.hpp"
 
 // Defaults: about 10 s at world 2 on a 2-core CPU with the built-in text.
 constexpr int kEpochs = 20;

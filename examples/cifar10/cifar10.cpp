@@ -13,17 +13,9 @@
 #include <cstdio>
 #include <filesystem>
 
-#if defined(DDPKIT_MODE_DDP)
 // Plain DDP whose gradient communication (--comm) is chosen at run time.
-using Mode = ddpkit::DDPRuntimeComm;
-#elif defined(DDPKIT_MODE_ZERO)
-// ZeRO stage 2: optimizer state and gradients sharded across processes.
-using Mode = ddpkit::ZeRO2;
-#elif defined(DDPKIT_MODE_DP)
-using Mode = ddpkit::DataParallel;
-#else
-using Mode = ddpkit::SingleDevice;
-#endif
+#define DDPKIT_EXAMPLE_DDP_POLICY ddpkit::DDPRuntimeComm
+#include "../example_mode.hpp"
 
 // The recipe's configuration (configs/*.yaml of chapter 13).
 constexpr int kEpochs = 30;

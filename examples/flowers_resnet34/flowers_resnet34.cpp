@@ -18,16 +18,7 @@
 #include <fstream>
 #include <iterator>
 
-#if defined(DDPKIT_MODE_DDP)
-using Mode = ddpkit::DDP;
-#elif defined(DDPKIT_MODE_ZERO)
-// ZeRO stage 2: optimizer state and gradients sharded across processes.
-using Mode = ddpkit::ZeRO2;
-#elif defined(DDPKIT_MODE_DP)
-using Mode = ddpkit::DataParallel;
-#else
-using Mode = ddpkit::SingleDevice;
-#endif
+#include "../example_mode.hpp"
 
 // The recipe's defaults.
 constexpr int kNumClasses = 5;

@@ -64,6 +64,13 @@ struct CommonArgs {
 };
 
 /// Adds the common flags to `app`, with `args`' current values as defaults.
+/// A numeric option checked by `check`, its default shown in --help.
+template <class T>
+CLI::Option* add_number(CLI::App& app, const std::string& flag, T& value,
+                        const std::string& help, const CLI::Validator& check) {
+  return app.add_option(flag, value, help)->check(check)->capture_default_str();
+}
+
 inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.set_config("--config", "", "read these options from a TOML/INI file");
   app.set_version_flag("--version", std::string("ddpkit ") + ddpkit::version +
@@ -72,22 +79,16 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                  "dataset folder (default: built-in synthetic data)");
   app.add_option("--out", args.out,
                  "output folder (default runs/<example>-<mode>)");
-  app.add_option("--epochs", args.epochs, "epochs")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--batch-size", args.batch_size, "batch size per rank")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--lr", args.lr, "base learning rate")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  add_number(app, "--epochs", args.epochs, "epochs", CLI::PositiveNumber);
+  add_number(app, "--batch-size", args.batch_size, "batch size per rank",
+             CLI::PositiveNumber);
+  add_number(app, "--lr", args.lr, "base learning rate", CLI::PositiveNumber);
   app.add_option("--world-size", args.world_size,
                  "start this many ranks on this machine (ddp builds; otherwise "
                  "the launcher's environment decides)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--devices", args.devices, "DataParallel replicas (dp builds)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  add_number(app, "--devices", args.devices,
+             "DataParallel replicas (dp builds)", CLI::PositiveNumber);
   app.add_option("--seed", args.seed, "seed")->capture_default_str();
   app.add_option("--resume", args.resume,
                  "checkpoint PATH, or auto (OUT/checkpoints/last.pt; "
@@ -101,59 +102,49 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.add_flag("--check-finite,!--no-check-finite", args.check_finite,
                "stop at a step whose loss or gradients are not finite, before "
                "its update, naming the step and rank (on by default)");
-  app.add_option("--skip-nonfinite", args.skip_nonfinite,
-                 "skip up to N non-finite steps (not taken, not counted) "
-                 "before stopping")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--max-steps", args.max_steps,
-                 "cap on steps per epoch (0: none)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--threads", args.threads, "intra-op threads per rank")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--workers", args.workers, "data loader threads")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
+  add_number(app, "--skip-nonfinite", args.skip_nonfinite,
+             "skip up to N non-finite steps (not taken, not counted) "
+             "before stopping",
+             CLI::NonNegativeNumber);
+  add_number(app, "--max-steps", args.max_steps,
+             "cap on steps per epoch (0: none)", CLI::NonNegativeNumber);
+  add_number(app, "--threads", args.threads, "intra-op threads per rank",
+             CLI::PositiveNumber);
+  add_number(app, "--workers", args.workers, "data loader threads",
+             CLI::NonNegativeNumber);
   app.add_flag("--quiet", args.quiet, "no progress or per-epoch output");
-  app.add_option("--accumulate", args.accumulate,
-                 "gradient accumulation: batches per optimizer step (DDP "
-                 "communicates once per step)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  add_number(app, "--accumulate", args.accumulate,
+             "gradient accumulation: batches per optimizer step (DDP "
+             "communicates once per step)",
+             CLI::PositiveNumber);
   auto* by_norm =
-      app.add_option("--clip-grad-norm", args.clip_grad_norm,
-                     "clip the averaged gradients to this global L2 norm "
-                     "(0: off)")
-          ->check(CLI::NonNegativeNumber)
-          ->capture_default_str();
+      add_number(app, "--clip-grad-norm", args.clip_grad_norm,
+                 "clip the averaged gradients to this global L2 norm "
+                 "(0: off)",
+                 CLI::NonNegativeNumber);
   app.add_option("--clip-grad-value", args.clip_grad_value,
                  "clip each averaged gradient element to [-V, V] (0: off)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str()
       ->excludes(by_norm);
-  app.add_option("--checkpoint-every", args.checkpoint_every,
-                 "also write checkpoints/last.pt every N batches within "
-                 "epochs; --resume auto continues there (0: epoch ends only)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--eval-timeout", args.eval_timeout,
-                 "with rank-0 evaluation, how long (seconds) the other ranks "
-                 "wait for rank 0 to evaluate the validation set (not bounded "
-                 "by the collective timeout)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  add_number(app, "--checkpoint-every", args.checkpoint_every,
+             "also write checkpoints/last.pt every N batches within "
+             "epochs; --resume auto continues there (0: epoch ends only)",
+             CLI::NonNegativeNumber);
+  add_number(app, "--eval-timeout", args.eval_timeout,
+             "with rank-0 evaluation, how long (seconds) the other ranks "
+             "wait for rank 0 to evaluate the validation set (not bounded "
+             "by the collective timeout)",
+             CLI::PositiveNumber);
   app.add_flag("--checkpoint-on-signal,!--no-checkpoint-on-signal",
                args.checkpoint_on_signal,
                "on SIGTERM/SIGINT, finish the batch, write checkpoints/last.pt "
                "there and exit 128+signal (a second signal kills at once; on "
                "by default)");
-  app.add_option("--keep-best", args.keep_best,
-                 "keep the K best epochs' checkpoints (best-epoch-E.pt; "
-                 "best.pt is the best)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
+  add_number(app, "--keep-best", args.keep_best,
+             "keep the K best epochs' checkpoints (best-epoch-E.pt; "
+             "best.pt is the best)",
+             CLI::NonNegativeNumber);
   app.add_option("--monitor", args.monitor,
                  "the metric that means best for early stopping, --keep-best, "
                  "best.pt and summary.json: a metrics.jsonl column such as "
@@ -165,20 +156,17 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
   app.add_flag("--tensorboard,!--no-tensorboard", args.tensorboard,
                "write TensorBoard event files to OUT/tb (rank 0; on by "
                "default)");
-  app.add_option("--log-every-n-steps", args.log_every_n_steps,
-                 "TensorBoard: log the batch loss every N batches (0: never)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--progress-every-n-steps", args.progress_every_n_steps,
-                 "when stdout is not a terminal, print a progress line every "
-                 "N batches (0: off)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--progress-every-seconds", args.progress_every_seconds,
-                 "when stdout is not a terminal, print a progress line at "
-                 "least every S seconds (0: off)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
+  add_number(app, "--log-every-n-steps", args.log_every_n_steps,
+             "TensorBoard: log the batch loss every N batches (0: never)",
+             CLI::NonNegativeNumber);
+  add_number(app, "--progress-every-n-steps", args.progress_every_n_steps,
+             "when stdout is not a terminal, print a progress line every "
+             "N batches (0: off)",
+             CLI::NonNegativeNumber);
+  add_number(app, "--progress-every-seconds", args.progress_every_seconds,
+             "when stdout is not a terminal, print a progress line at "
+             "least every S seconds (0: off)",
+             CLI::NonNegativeNumber);
   app.add_option("--precision", args.precision,
                  "auto (bf16-mixed on a CUDA device with native bfloat16 or a "
                  "CPU with AMX, else 32; a resumed run keeps its "
@@ -209,15 +197,12 @@ inline train::Precision precision_of(const CommonArgs& args) {
 }
 
 /// `--precision auto` and `--memory-format auto`, resolved alike on every
-/// rank of `group` (each rank must call it; rank 0 decides): a run that
-/// resumes (`--resume`) takes what its checkpoint recorded
-/// (train::recorded_settings), so it continues as it began; otherwise the
-/// precision follows the hardware (train::auto_precision, on the device
-/// the run trains on) and the layout is timed on `sample`, a batch of the
-/// training input's shape (train::choose_memory_format, at the resolved
-/// precision). Sets `args.precision` / `args.memory_format` to the chosen
-/// values and returns why, one line per setting resolved ("" when neither
-/// was auto).
+/// rank of `group` (each rank must call it) by train::resolve_auto_settings
+/// (train/auto_settings.hpp): a run that resumes takes what its checkpoint
+/// recorded; otherwise the precision follows the hardware and the layout
+/// is timed on `sample`, a batch of the training input's shape. Sets
+/// `args.precision` / `args.memory_format` to the chosen values and returns
+/// why, one line per setting resolved ("" when neither was auto).
 template <class Model>
 std::string resolve_auto_settings(CommonArgs& args, Model& model,
                                   const torch::Tensor& sample,
@@ -226,86 +211,19 @@ std::string resolve_auto_settings(CommonArgs& args, Model& model,
   const bool precision_auto = args.precision == "auto";
   const bool layout_auto = args.memory_format == "auto";
   if (!precision_auto && !layout_auto) return "";
-  // Rank 0 reads the checkpoint; the codes travel to every rank.
-  struct Codes {
-    int precision = -1;  // a train::Precision, -1: not auto
-    int by_rule = 0;     // 1: precision from train::auto_precision
-    int layout = -1;     // 0 contiguous, 1 channels-last, -1: not recorded
-  } codes;
-  std::string from;
-  bool predates = false;  // a checkpoint from before the keys existed
-  const torch::Device device = train::default_device(group);
-  std::optional<train::PrecisionChoice> rule;
-  if (group.rank() == 0) {
-    if (auto r = train::recorded_settings(args.resume, args.out)) {
-      from = r->path.string();
-      if (auto p = train::precision_from_name(r->precision);
-          p && precision_auto) {
-        codes.precision = static_cast<int>(*p);
-      } else if (r->precision.empty() && precision_auto) {
-        // Written before checkpoints recorded it, when 32 was the default.
-        codes.precision = static_cast<int>(train::Precision::fp32);
-        predates = true;
-      }
-      if (layout_auto && (r->memory_format == "contiguous" ||
-                          r->memory_format == "channels-last")) {
-        codes.layout = r->memory_format == "channels-last" ? 1 : 0;
-      }
-    }
-    if (precision_auto && codes.precision < 0) {  // not recorded: the rule
-      rule = train::auto_precision(device);
-      codes.precision = static_cast<int>(rule->precision);
-      codes.by_rule = 1;
-    }
+  std::optional<train::Precision> precision;
+  if (!precision_auto) precision = precision_of(args);
+  std::optional<torch::MemoryFormat> layout;
+  if (!layout_auto) {
+    layout = args.memory_format == "channels-last"
+                 ? torch::MemoryFormat::ChannelsLast
+                 : torch::MemoryFormat::Contiguous;
   }
-  dist::CollectiveTag tag("auto settings");
-  if (group.size() > 1) codes = dist::broadcast_value(group, codes, 0);
-  std::string why;
-  if (precision_auto) {
-    if (codes.by_rule) {
-      // Rank 0's choice; the reason as this rank's hardware gives it.
-      if (!rule) rule = train::auto_precision(device);
-      why = "precision auto: " + rule->reason;
-    } else {
-      why = predates ? "precision auto: 32, as the run being resumed trained "
-                       "(" +
-                           from +
-                           " records no precision: it was written when 32 "
-                           "was the default)"
-                     : "precision auto: as the run being resumed trained (" +
-                           from + ")";
-    }
-    args.precision =
-        train::precision_name(static_cast<train::Precision>(codes.precision));
-    // A run trained in 16-mixed on a GPU, resumed where there is none: say
-    // where 16-mixed came from and how to continue in another precision.
-    if (!codes.by_rule &&
-        codes.precision == static_cast<int>(train::Precision::fp16_mixed) &&
-        !device.is_cuda()) {
-      throw UsageError(
-          "precision auto: the run being resumed (" +
-          (from.empty() ? std::string("its checkpoint") : from) +
-          ") trained in 16-mixed, which needs a CUDA device, but this run "
-          "trains on " +
-          device.str() +
-          ". To continue it in another precision: --precision 32 (or "
-          "bf16-mixed) --resume-allow-changes");
-    }
-  }
-  if (layout_auto) {
-    if (!why.empty()) why += "\n";
-    if (codes.layout >= 0) {
-      args.memory_format = codes.layout == 1 ? "channels-last" : "contiguous";
-      why +=
-          "memory format auto: as the run being resumed trained (" + from + ")";
-    } else {
-      const auto c = train::choose_memory_format(
-          model, sample, precision_of(args), device, group);
-      args.memory_format = train::memory_format_name(c.format);
-      why += "memory format auto: " + c.reason;
-    }
-  }
-  return why;
+  const auto r = train::resolve_auto_settings(precision, layout, args.resume,
+                                              args.out, model, sample, group);
+  args.precision = train::precision_name(r.precision);
+  args.memory_format = train::memory_format_name(r.memory_format);
+  return r.why;
 }
 
 /// "precision 32, memory format contiguous": the settings an example's

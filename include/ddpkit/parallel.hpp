@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The parallel engine: SingleDevice, DataParallel and DDP policies, the DDP
-// gradient reducer and its communication strategies, SyncBatchNorm.
+// The parallel engines: SingleDevice, DataParallel, DDP, ZeRO-1 and ZeRO-2
+// policies, the DDP gradient reducer and its communication strategies
+// (SyncBatchNorm is nn/'s: nn/batch_norm.hpp, nn/bn_policies.hpp).
 #pragma once
 
-#include "ddpkit/nn/batch_norm.hpp"
 #include "ddpkit/parallel/data_parallel.hpp"
 #include "ddpkit/parallel/ddp.hpp"
 #include "ddpkit/parallel/engine.hpp"

@@ -25,6 +25,7 @@
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/data/samplers.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
+#include "ddpkit/nn/bn_policies.hpp"
 #include "ddpkit/parallel.hpp"
 #include "ddpkit/train/lr.hpp"
 #include "ddpkit/train/reduction.hpp"

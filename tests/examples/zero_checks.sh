@@ -35,7 +35,7 @@ if sum(zero["optimizer_state"]) != ddp["optimizer_state"][0]:
     bad.append("the ZeRO ranks' optimizer states do not add up to DDP's")
 if not all(z < min(ddp["gradients_peak"]) for z in zero["gradients_peak"]):
     bad.append("a ZeRO rank's gradient peak is not below DDP's")
-# What the kernel measured (docs/DESIGN.md, Note [Measured memory]): each
+# What the kernel measured (Note [Measured memory], detail/process_memory.hpp): each
 # rank's peak during a step, shared memory by its share. ddpkit's counters
 # say a ZeRO-2 rank holds, against the same rank of DDP, the optimizer
 # state it does not own less (S - s: the state is SGD's momentum, one

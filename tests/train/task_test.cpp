@@ -281,9 +281,14 @@ TEST_SUITE("train") {
       auto opts = regression_options(out.path()).epochs(1);
       if (!shuffle)
         opts.sampling(data::DistributedSamplingOptions().shuffle(false));
+      opts.run_name(TrainerOptions().run_name());  // the default
       DDPTrainer<Regressor, PlainBN, NoScaling, ShardedEval, Regression> t(
           Regressor(), sgd_momentum(), opts);
       t.fit(train_set, val_set, data::LoaderOptions(4).workers(0));
+      // summary.json names no example for a run that named none.
+      const auto summary = read_file(out.path() / "summary.json");
+      CHECK(summary.find("\"run_name\": \"ddpkit\"") != std::string::npos);
+      CHECK(summary.find("\"example\"") == std::string::npos);
       return *train_set.seen;
     };
     std::vector<std::size_t> in_order(12);

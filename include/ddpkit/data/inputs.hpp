@@ -19,6 +19,25 @@
 
 namespace ddpkit::data {
 
+// Note [Inputs of several tensors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Inputs of several tensors. A model whose `forward` takes several tensors
+// (`forward(x, mask)`, up to four) gets them from `data::Inputs`, a list of
+// tensors made implicitly from one tensor, so `engine.forward(x)` reads as
+// before. A batch holds `data` (the first input) and `extra` (the rest): a
+// sample whose input is a tuple, pair, vector or `Inputs` is collated input
+// by input (`Stack` stacks, `PadSequences` pads each); samples with different
+// input counts are refused naming both. The engines take `Inputs` and call
+// `forward` with as many arguments (`data::forward_inputs`: the arity is
+// chosen at run time among those the forward accepts at compile time, and a
+// count it does not take is a `UsageError` naming it); DataParallel splits
+// every input along the batch (PyTorch's scatter of a tuple; inputs with
+// different batch sizes are refused). A user engine whose `forward` takes one
+// tensor still works: the Trainer passes the first input and refuses a batch
+// of several. Targets stay one tensor. Test: a two-input model through DDP at
+// world 2 and DataParallel over two CPU replicas equals one process on the
+// joined batch (task_test.cpp).
+
 /// The tensors a model's forward takes, in order: one (made implicitly from
 /// a torch::Tensor, so `engine.forward(x)` reads as before) or up to
 /// `kMax`, passed as `forward(x0, x1, ...)`.

@@ -51,6 +51,28 @@
 
 namespace ddpkit::compat {
 
+// Note [Two libtorch versions, one place for the difference]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Two libtorch versions, one place for the difference. The default build uses
+// the libtorch inside PyTorch 2.11's wheel (CUDA 13.0) from the project's
+// `.venv`; `-DDDPKIT_TORCH=system` uses Debian's 1.13 (CPU), and
+// `CMAKE_PREFIX_PATH`/`Torch_DIR` any other (`cmake/ddpkitTorch.cmake`).
+// `detail/compat.hpp` (autograd, autocast, warnings, serialization in
+// `ddpkit::compat`; `Backend` vs `ProcessGroup`, stores, NCCL options in
+// `ddpkit::dist::compat`) is the only file that tests
+// `DDPKIT_TORCH_AT_LEAST`. What the 2.x build taught us: the wheel's
+// `libtorch.so` exports libstdc++ symbols of a newer GCC, so
+// `std::filesystem` calls bound to them crashed until ddpkit's link line put
+// `-lstdc++` first (`cmake/ddpkitDependencies.cmake`); CMake must see the
+// wheel's prefix before `/usr` or Debian's `libc10` gets mixed in
+// (`cmake/ddpkitCuda.cmake` refuses such a mix); `nccl.h` is not in the
+// wheel's torch but in its `nvidia-nccl` package, whose version must match
+// (`ncclConfig_t` is embedded in `ProcessGroupNCCL::Options`); 2.x `TCPStore`
+// with `waitWorkers=true` throws where 1.13 returned, so ddpkit checks in
+// through the store itself; torchrun 2.x hosts the store in its agent
+// (`TORCHELASTIC_USE_AGENT_STORE`): every rank is then a client, and each
+// restart attempt uses its own key prefix.
+
 /// Makes CUDA device `index` this thread's current device (where ddpkit is
 /// built with CUDA; elsewhere nothing to do).
 inline void set_cuda_device(int index) {

@@ -19,6 +19,24 @@
 
 namespace ddpkit::dist::detail {
 
+// Note [Casualty vs cause]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Casualty vs cause. A collective that fails because a peer went away throws
+// `PeerFailure`; `launch` exits 75 for it, and the launcher names the first
+// rank that failed *for another reason* (waiting up to 1 s for it to exit on
+// its own) — on 2 busy cores the casualty is often reaped first.
+
+// Note [Naming what was lost]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Naming what was lost. When a collective fails with `PeerFailure`, `launch`
+// asks `Group::unanswered(3 s)` before exiting 75: every surviving rank posts
+// a key in the store and waits up to 3 s for the others'; the ranks whose key
+// never comes are named by host, from the topology ("every rank of host
+// 'ddpkit-host1' (ranks 2, 3) did not answer within 3 s (lost, or stuck
+// elsewhere)"). It runs on a thread of its own and is abandoned after 4 s, so
+// a store that is itself gone (its host lost) adds nothing rather than a
+// hang.
+
 /// Who of `seen`'s ranks did not answer the roll call, for the error:
 /// "every rank of host 'b' (ranks 2, 3) and rank 5 on host 'c' did not
 /// answer within 3 s", or "" when every rank answered.

@@ -34,6 +34,50 @@
 
 namespace ddpkit::dist {
 
+// Note [The flight recorder]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The flight recorder (`distributed/flight_recorder.hpp`). Every collective a
+// group starts goes through `Group::begin_collective` (the four places in
+// `collectives.hpp` that start one, and the store wait of
+// `broadcast_when_ready` as `store_wait`), which counts it and writes an
+// entry in a ring shared by the group's copies and its side group (2048
+// entries, `DDPKIT_FLIGHT_RECORDER=N`, 0 turns it off): the collective's
+// number in its group, kind, dtype, element count, bytes, a tag, start and
+// end wall-clock times (µs) and state. The tag comes from a thread-local
+// `CollectiveTag` set where collectives start: the reducer ("bucket 3", "used
+// parameters"), SyncBN ("syncbn forward/backward"), the Trainer ("step
+// agreement", "epoch end", "evaluation", "rank 0 status", "resume", …). Ends
+// are recorded by `detail::wait`, the one place every wait goes through; an
+// entry also keeps a weak reference to its c10d work, so a dump shows as
+// completed what finished without a wait. A failed wait writes the rank's
+// record (`DIR/rank-K.json`, atomically) and names it in the error; SIGUSR1
+// writes it from a thread of its own while training goes on (the handler only
+// writes a byte to a pipe), and counts a request in the store
+// (`ddpkit/flight/dumps`) that every other rank's liveness thread sees within
+// a second and answers with its own record (libtorch ≥ 2.5; before, only the
+// signalled rank writes). The Trainer points it at `OUT/flight`
+// (`DDPKIT_FLIGHT_DIR` chooses another folder for any program) and removes an
+// earlier run's records there first. `scripts/ddpkit-doctor` (installed as
+// `bin/ddpkit-doctor`, Python standard library) reads the records: ranks
+// without one, the first number at which two ranks recorded different
+// collectives (a desync, both sides named), ranks behind (fewer collectives
+// started), what each rank concluded when it wrote its record (a lost peer, a
+// desync), where each rank waited and for how long (a collective in flight
+// under 5 s, as in a SIGUSR1 record of a healthy job, is no fault), and the
+// rank that started the common collectives last most often (the slowest);
+// exit 1 on a fault. A rank that ends on a lost peer, a desync or a failed
+// collective runs it too (`distributed/doctor.hpp`): the first to create
+// `DIR/verdict.claim` (O_EXCL; on a folder hosts share, once per job,
+// otherwise once per host) waits until no new record has come for a second (3
+// s at most), runs `python3 ddpkit-doctor DIR`, renames the whole report to
+// `DIR/verdict.txt` and prints its first line; the other ranks wait for that
+// file (8 s at most) before they exit, because a launcher stops every rank at
+// the first exit and would cut the doctor short (CI saw an empty report
+// before this rule); the doctor is looked up in `$DDPKIT_DOCTOR`, beside the
+// program (CMake copies it into the build's `bin/`), then on `PATH`, and
+// nothing is printed without it. Cost: a mutex and a few stores per
+// collective (measured in BENCHMARKS.md).
+
 /// Names what starts the collectives on this thread while alive (the
 /// reducer's "bucket 3", SyncBN's statistics, the Trainer's agreements), for
 /// the flight recorder; the previous tag is restored at destruction.
@@ -43,6 +87,7 @@ namespace ddpkit::dist {
 /// ddpkit::dist::CollectiveTag tag("metrics");
 /// ddpkit::dist::all_reduce(group, sums);  // recorded with tag "metrics"
 /// ```
+/// See Note [The flight recorder].
 class CollectiveTag {
  public:
   explicit CollectiveTag(const char* what, long index = -1) : prev_(current()) {

@@ -34,6 +34,48 @@
 
 namespace ddpkit::dist {
 
+// Note [The liveness watch]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// The liveness watch (`distributed/liveness.hpp`). A collective that hangs
+// because a peer is stopped (SIGSTOP, a debugger), dead on a lost host, or
+// unreachable used to be found at the collective timeout (300 s). Each rank
+// now posts a heartbeat (`ddpkit/live/R` = count and pid) every second
+// through a second client of the store (`compat::clone_store`: a connection
+// and lock of its own, so the group's own store waits never delay it) from a
+// thread of its own. A second thread judges, never blocking: once one of this
+// rank's collectives has waited 5 s (`oldest_pending` in the recorder), the
+// first thread also reads the others' heartbeats; a peer whose heartbeat has
+// not changed for 15 s (`DDPKIT_LIVENESS_TIMEOUT`), or a store that has not
+// answered for as long, is lost: the rank writes its flight record, prints
+// `error (rank 0): rank 1 (pid 4242 on host 'h') sent no heartbeat for 15.0
+// s: lost (stopped, dead, or its host unreachable) while rank 0 waited 20.3 s
+// in collective #4 all_reduce (bucket 0)` and exits 75 three heartbeats later
+// (its main thread is blocked in the collective; the wait lets the other
+// ranks reach their own judgment from the same heartbeats before this rank's
+// exit breaks their waits, which they would otherwise report as a lost
+// connection — the first test of a skipped batch inside a DDP fit saw exactly
+// that). A busy rank — evaluating alone, writing a large checkpoint, a slow
+// batch — keeps beating, because the heartbeat does not come from its
+// training thread; only a process whose every thread is stopped, or that is
+// gone, falls silent. Desync: while one of its collectives has waited 5 s, a
+// rank adds it to its heartbeat (group, number, kind, size, dtype and its
+// words, "all_reduce 4.0 kB Float (bucket 3)"); a rank that sees another
+// waiting at the same number of the same group in a different collective ends
+// with both sides named (`desync at collective #4: rank 1 broadcast 8 B Long
+// (stop flag) vs rank 0 all_reduce 4.0 kB Float (bucket 3)`), within about 7
+// s. Nothing is exchanged for collectives that complete: a desync whose
+// collectives happen to match in kind, size and dtype (the same bucket of two
+// different batches) is not seen until the ranks' sequences part. Signals
+// during a hang: the Trainer hands the watch its signal flag
+// (`Group::watch_interrupt`); a SIGTERM/SIGINT the loop has not acted on ends
+// the rank (exit 128 + signal) 10 s after it came when one of its collectives
+// has waited 5 s, or after 20 s wherever the rank is stuck, saying that no
+// consistent checkpoint was possible and which checkpoint a resume will start
+// from; within SLURM's and torchrun's 30 s grace. Off with
+// `DDPKIT_LIVENESS=0`, and where the libtorch's stores cannot be cloned
+// (before 2.5: Debian's 1.13), where the collective timeout alone finds a
+// lost rank.
+
 /// The liveness watch's settings.
 struct LivenessSettings {
   /// A peer silent this long while a collective waits is lost

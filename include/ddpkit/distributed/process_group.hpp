@@ -117,6 +117,7 @@ class Group {
         g.set_flight_dir(*dir);
       }
     }
+    // See Note [The liveness watch] (liveness.hpp).
     g.start_liveness_watch();
     if (shm && g.device_.is_cpu()) {
       // A collective through the channel waits as long as one over gloo

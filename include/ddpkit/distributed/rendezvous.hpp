@@ -21,6 +21,12 @@
 
 namespace ddpkit::dist::detail {
 
+// Note [Rendezvous is checked]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Rendezvous is checked: every rank compares its world size with rank 0's and
+// checks in; a missing rank is a timeout with a count ("1 joined"), not a
+// hang inside gloo.
+
 inline bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }

@@ -1,24 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// All-reduce through shared memory between ranks on one host.
-//
-// gloo moves CPU tensors over TCP even when every rank is on the same
-// machine: on loopback that is two kernel copies per byte per hop plus the
-// socket machinery (about 0.6 GB/s here). When all ranks share a host, ddpkit
-// instead maps one shared segment and reduces in it: every rank copies its
-// chunk in, reduces its 1/N slice of every rank's chunk, and copies the
-// reduced slices out. Ranks wait on futexes, not spins, so a machine with
-// more ranks than cores does not burn the cores the ranks need.
-//
-// Each element is summed by exactly one rank, in a fixed order, and copied
-// to all: every rank gets the same bits, run after run. A rank that dies is
-// noticed within about 10 ms (its pid is watched) and every waiting rank
-// fails with `PeerFailure` naming it; a rank that stops arriving fails the
-// others after the group's collective timeout.
-//
-// Across hosts, each host's ranks share such a channel and it becomes the
-// inner level of a hierarchical all-reduce (see ShmChannel): sums inside a
-// host through shared memory, between hosts one gloo all-reduce among the
-// hosts' leaders.
+// All-reduce through shared memory between ranks on one host: the channel
+// (ShmChannel) over the segments of shm_segment.hpp. See Note [The
+// shared-memory channel].
 #pragma once
 
 #include <fcntl.h>
@@ -51,9 +34,73 @@
 
 #include "ddpkit/detail/compat.hpp"
 #include "ddpkit/detail/error.hpp"
+#include "ddpkit/distributed/shm_segment.hpp"
 #include "ddpkit/distributed/topology.hpp"
 
 namespace ddpkit::dist {
+
+// Note [Hierarchical all-reduce]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Hierarchical all-reduce (`ShmChannel` with `ShmBetweenHosts`,
+// `GroupOptions::all_reduce_algorithm`,
+// `DDPKIT_ALLREDUCE=auto|flat|hierarchical`). When ranks span hosts and some
+// host has several ranks (the `auto` rule), each host's ranks get a
+// shared-memory channel of their own and the hosts' leaders (lowest rank on
+// each) a gloo group of their own. A sum or mean then goes: reduce-scatter
+// inside the host through shared memory, gathered into the leader only; one
+// gloo all-reduce among the leaders, scaled there (a mean's 1/world); the
+// leader's result copied to the host's ranks through shared memory (slot by
+// slot, or from the leader's region for the reducer's shared buckets). Every
+// rank ends with the leaders' bits, so all ranks of all hosts agree exactly.
+// Gradients cross the network once per host instead of once per rank. The
+// leader publishes the outcome of the between-hosts step in its header line:
+// a failure there (a lost host, or a type gloo cannot add) fails that
+// operation on every rank of the host with the leader's message, and the
+// channel stays usable. The ranks of the host wait for the leader for twice
+// the collective timeout plus 10 s, so the leader's own timeout is the error
+// reported. Every host must have its channel or none is used (checked through
+// the store). Reported as transport `"hierarchical shm+gloo"` in summary.json
+// and the examples' first line (`world size 4 on 2 hosts (transport
+// hierarchical shm+gloo)`); `flat` keeps the old behaviour (every rank in one
+// gloo all-reduce, transport `"gloo"`); forcing `hierarchical` with shared
+// memory off, or on NCCL, is a UsageError (NCCL arranges its own
+// topology-aware all-reduce). The DDP reducer keeps its buckets *in* shared
+// memory (`ShmChannel::shared_buffer`, `ReducerOptions::shared_buckets`, on
+// by default): one segment holds every rank's copy of the buckets, so an
+// all-reduce of a bucket reads the other ranks' gradients where autograd
+// wrote them — each rank sums its slice from the others' regions into its
+// own, then copies the others' reduced slices: three barriers per bucket and
+// about half the memory traffic of copying through the slots. The segment is
+// fully allocated up front (`posix_fallocate`), so a small /dev/shm (Docker's
+// 64 MiB default) means ordinary buckets, never a SIGBUS. Rank 0 only sizes
+// the file (`ftruncate`); each rank allocates its own region and slots, so on
+// a multi-socket host their pages come from its own NUMA node (first touch)
+// rather than all from rank 0's (untested: this machine has one NUMA node;
+// the small-/dev/shm fallback test covers the allocation). Every operation
+// also announces its size, type and kind in the rank's header line and checks
+// the others' at the first barrier: ranks that disagree fail with a message
+// naming both, instead of hanging or mixing unrelated data.
+
+// Note [The shared-memory channel]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// gloo moves CPU tensors over TCP even when every rank is on the same
+// machine: on loopback that is two kernel copies per byte per hop plus the
+// socket machinery (about 0.6 GB/s here). When all ranks share a host, ddpkit
+// instead maps one shared segment and reduces in it: every rank copies its
+// chunk in, reduces its 1/N slice of every rank's chunk, and copies the
+// reduced slices out. Ranks wait on futexes, not spins, so a machine with
+// more ranks than cores does not burn the cores the ranks need.
+//
+// Each element is summed by exactly one rank, in a fixed order, and copied
+// to all: every rank gets the same bits, run after run. A rank that dies is
+// noticed within about 10 ms (its pid is watched) and every waiting rank
+// fails with `PeerFailure` naming it; a rank that stops arriving fails the
+// others after the group's collective timeout.
+//
+// Across hosts, each host's ranks share such a channel and it becomes the
+// inner level of a hierarchical all-reduce (see ShmChannel): sums inside a
+// host through shared memory, between hosts one gloo all-reduce among the
+// hosts' leaders.
 
 namespace detail {
 
@@ -67,120 +114,6 @@ class ChannelWork : public c10d::Work {
 };
 
 }  // namespace detail
-
-/// A segment mapped by every rank of a host, made by a collective over the
-/// store: rank 0 creates it (fully allocated: a full /dev/shm fails here,
-/// not later with SIGBUS), every rank maps it, and its name is removed as
-/// soon as all have, so a crash leaves nothing behind. Null on every rank
-/// unless every rank mapped it.
-class ShmSegment {
- public:
-  /// Byte ranges [offset, offset + length) of the segment.
-  using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
-
-  /// Collective: a segment of `bytes` every rank maps, or null on every
-  /// rank. Rank 0 creates the file at its full size without allocating it;
-  /// each rank then allocates `mine`, the parts it writes first (its own
-  /// region or slots), so on a multi-socket host their pages come from its
-  /// own NUMA node (first touch), not all from rank 0's. A rank that cannot
-  /// allocate its part (/dev/shm too small) makes every rank give up.
-  static std::shared_ptr<ShmSegment> create(const compat::StorePtr& store,
-                                            const std::string& key, int rank,
-                                            int world, std::size_t bytes,
-                                            const Ranges& mine) {
-    using ddpkit::detail::cat;
-    std::string path;
-    if (rank == 0) {
-      std::random_device rd;
-      path = cat("/dev/shm/ddpkit-", ::getpid(), "-", rd());
-      int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-      if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-        if (fd >= 0) ::close(fd);
-        ::unlink(path.c_str());
-        path.clear();  // tells the others: no segment
-      } else {
-        ::close(fd);
-      }
-      store->set(key + "path", detail::to_bytes(path.empty() ? "-" : path));
-    } else {
-      path = detail::from_bytes(store->get(key + "path"));
-      if (path == "-") path.clear();
-    }
-    std::shared_ptr<ShmSegment> seg;
-    if (!path.empty()) {
-      int fd = ::open(path.c_str(), O_RDWR);
-      bool allocated = fd >= 0;
-      for (const auto& [offset, length] : mine) {
-        allocated = allocated && offset + length <= bytes &&
-                    ::posix_fallocate(fd, static_cast<off_t>(offset),
-                                      static_cast<off_t>(length)) == 0;
-      }
-      if (allocated) {
-        void* base =
-            ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (base != MAP_FAILED) {
-          seg.reset(new ShmSegment(static_cast<char*>(base), bytes));
-        }
-      }
-      if (fd >= 0) ::close(fd);
-    }
-    // Everyone reports; the segment is used only if every rank mapped it.
-    const bool all_ok = detail::all_ranks_say(store, key + "ok/", rank, world,
-                                              seg ? "1" : "0") &&
-                        seg;
-    // Every rank has opened the file (or given up): its name can go.
-    auto left = store->add(key + "attached", 1);
-    if (rank == 0 && !path.empty()) {
-      while (left < world) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        left = store->add(key + "attached", 0);
-      }
-      ::unlink(path.c_str());
-    }
-    return all_ok ? seg : nullptr;
-  }
-
-  ShmSegment(const ShmSegment&) = delete;
-  ShmSegment& operator=(const ShmSegment&) = delete;
-  ~ShmSegment() {
-    ::munmap(base_, bytes_);
-  }
-  char* data() const {
-    return base_;
-  }
-
- private:
-  ShmSegment(char* base, std::size_t bytes) : base_(base), bytes_(bytes) {}
-  char* base_;
-  std::size_t bytes_;
-};
-
-/// Buffers every rank of a host can read: one region per rank, equal in
-/// size, in one shared segment. Tensors allocated here (`ShmChannel::
-/// shared_buffer`) are reduced in place: each rank sums its slice straight
-/// from the others' regions and copies the others' reduced slices, so the
-/// data is not copied into the channel and back out.
-class ShmArena {
- public:
-  ShmArena(std::shared_ptr<ShmSegment> seg, std::size_t region_bytes, int rank)
-      : seg_(std::move(seg)), region_bytes_(region_bytes), rank_(rank) {}
-  char* region(int r) const {
-    return seg_->data() + static_cast<std::size_t>(r) * region_bytes_;
-  }
-  /// Whether [p, p + n) lies in this rank's region; its offset there.
-  bool holds(const void* p, std::size_t n, std::size_t* offset) const {
-    auto* c = static_cast<const char*>(p);
-    const char* mine = region(rank_);
-    if (c < mine || c + n > mine + region_bytes_) return false;
-    *offset = static_cast<std::size_t>(c - mine);
-    return true;
-  }
-
- private:
-  std::shared_ptr<ShmSegment> seg_;
-  std::size_t region_bytes_;
-  int rank_;
-};
 
 /// The all-reduce between hosts failed (on this host's leader): that
 /// operation fails on every rank of the host, the channel stays usable.

@@ -32,6 +32,13 @@ extern char** environ;
 
 namespace ddpkit::dist {
 
+// Note [Self-spawn meets through a FileStore]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Self-spawn meets through a FileStore in a fresh private folder: nothing of
+// the rendezvous listens on the network, and there is no port to collide.
+// torchrun/SLURM/MPI jobs use the TCPStore on `MASTER_ADDR:MASTER_PORT`
+// (c10d's store listens on every interface: keep it on trusted networks).
+
 /// Extra environment variables, name and value.
 using EnvVars = std::vector<std::pair<std::string, std::string>>;
 

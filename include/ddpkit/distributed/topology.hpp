@@ -28,6 +28,31 @@
 
 namespace ddpkit::dist {
 
+// Note [Which ranks share a host]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Which ranks share a host (`distributed/topology.hpp`, `Group::topology()`,
+// `Group::hosts()`) is decided by what shared memory needs, not by host name:
+// at `Group::init` each rank makes a marker file in `/dev/shm` named by a
+// token of this rendezvous and posts its boot id and PID namespace
+// (`/proc/self/ns/pid`) in the store; ranks share a host when each sees the
+// other's marker and both identities are equal (a rank in another PID
+// namespace cannot have its pid watched, so it counts as another host and its
+// sums go over gloo). The markers are removed before `init` returns. What a
+// crashed run can leave in /dev/shm (a segment between creation and the
+// moment every rank has mapped it, a marker) is removed at the next
+// `Group::init` on that host: files named `ddpkit-<pid>-…` or
+// `ddpkit-host-<pid>-…` whose process no longer exists and that are over 60 s
+// old (`detail::sweep_stale_shm`; tested with a reaped child's pid: stale
+// files go, a recent one, a live process's one and other files stay). If the
+// ranks' views disagree, every rank counts as a host of its own (said once on
+// stderr). Hosts are numbered by their lowest rank; each rank's host name is
+// kept for messages. Tests: two test hosts given the same host name are still
+// two hosts (`multihost.flowers-2x2-same-host-name`; red when the name
+// decides: one host, no shared memory); two ranks that share /dev/shm but not
+// a PID namespace (`unshare --pid`) are two hosts over gloo
+// (`multihost.pid-namespace-is-another-host`; red without the namespace in
+// the identity: transport "shm+gloo").
+
 namespace detail {
 
 inline std::vector<uint8_t> to_bytes(const std::string& s) {

@@ -23,6 +23,30 @@
 
 namespace ddpkit::parallel {
 
+// Note [Zeroing gradients goes through the engine]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Zeroing gradients goes through the engine. 2.x optimizers set `.grad` to
+// None by default, which would detach DDP's bucket views; the Trainer calls
+// `engine.zero_grad()` (DDP: one fill per bucket, views kept; other modes:
+// set to None).
+
+// Note [The engine contract is a concept]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The engine contract is a concept (`parallel_engine<P, Model, Group>` in
+// `parallel/engine.hpp`, one piece per requirement: built from (model, group,
+// options, device), `module()`/`device()`, `forward`, `forward_backward`
+// returning {loss, output}, `zero_grad`, `no_sync`, `unscale_and_check`,
+// `last_wait_seconds`), required where the Trainer is declared: a policy of
+// one's own that lacks a piece fails naming it (compile-fail case
+// `engine_without_zero_grad`: "engine_zeroes_gradients"). AMP unscaling is
+// the engine's too (`unscale_and_check(LossScaler&)`, concept
+// `engine_unscales_gradients`): DDP unscales and checks the reducer's flat
+// buckets (a few tensors, not one per parameter) and max-reduces the overflow
+// flag over the ranks (test "DDP engine's AMP unscale…": an inf put into rank
+// 1's gradients after the all-reduce makes both ranks skip the step and halve
+// the scale; the next step's gradients are divided by exactly the new scale);
+// the Trainer only calls it.
+
 /// Makes the optimizer over the parameters it is given (the model's, after
 /// they are on the device and, for DDP, broadcast from rank 0; a sharding
 /// engine's: this rank's shard).

@@ -10,6 +10,37 @@
 
 namespace ddpkit::parallel {
 
+// Note [The optimizer step: ForeachSGD]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The optimizer step: ForeachSGD (`parallel/foreach_sgd.hpp`). A subclass of
+// libtorch's `torch::optim::SGD` (so the same options, `SGDParamState` and
+// checkpoints, and ZeRO's `ShardedOptimizer` takes it like any optimizer)
+// whose `step` runs a group's update as a few `_foreach` operations over all
+// its parameters: weight decay, momentum with dampening, Nesterov, in
+// libtorch's order of operations, so results are identical (tested on CPU and
+// CUDA). On a GPU it saves the launches of the per-parameter loop (ResNet-34
+// steps on the H200: 1.03× in float32 NCHW, 1.21× median in bf16-mixed
+// channels-last); on a CPU `_foreach` runs per tensor, so nothing changes
+// there. Not a flat kernel over DDP's buckets: parameters are not views into
+// one buffer (the buckets hold gradients), and the gain measured does not
+// call for it. Its `.data()` update leaves the parameters' version counters
+// as libtorch's does; a sparse gradient takes libtorch's own step (1.13 has
+// no sparse `_foreach`). ForeachAdam and ForeachAdamW
+// (`parallel/foreach_adam.hpp`, one template over libtorch's Adam or AdamW,
+// their options and param states): the same idea, libtorch's arithmetic
+// operation for operation (L2 decay into the gradient for Adam, the decoupled
+// `1 - lr·wd` shrink for AdamW, bias corrections, AMSGrad through `max_out`
+// per tensor). Parameters are grouped by their state's step count, since a
+// parameter that missed a step has other bias corrections. Unlike SGD's,
+// libtorch's Adam updates the parameter itself (not `.data()`), and so do
+// these: version counters match. Identical to libtorch's on CPU (1.13 and
+// 2.11; tested with lagging step counts and crossed checkpoints) and on the
+// H200 (the cuda suite, 0 difference). ForeachAdamW stepped ResNet-34 1.49×
+// (median of 2 alternated rounds, 1.29–1.68) faster than libtorch's AdamW
+// loop on the H200 in bf16-mixed channels-last. The CIFAR example uses
+// ForeachAdam and the char LM ForeachAdamW. A sparse gradient is refused, as
+// libtorch's Adam refuses it.
+
 namespace detail {
 
 /// Whether a parameter of `groups` has a sparse gradient: the `_foreach`

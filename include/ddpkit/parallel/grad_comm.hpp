@@ -6,7 +6,7 @@
 // `AllReduceMean` (the default), `Fp16Compression`, `Bf16Compression` and
 // `PowerSGD`.
 //
-// Writing one (see docs/DESIGN.md, "Communication hooks"):
+// Writing one (see Note [Communication hooks] below):
 // ```
 // struct Float16Wire {                  // what Fp16Compression does
 //   static constexpr const char* name = "my_fp16";
@@ -49,6 +49,83 @@
 #include "ddpkit/distributed/collectives.hpp"
 
 namespace ddpkit::parallel {
+
+// Note [Communication hooks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Communication hooks (PyTorch's `register_comm_hook`, as a policy with
+// state): `BasicDDP<Hook>`'s reducer owns one `Hook` and hands it each bucket
+// as it fills, a `GradBucket` (flat `buffer`, per-parameter `gradients`
+// views, the reducer's stable parameter indices, bucket index and count, and
+// `step`, the synchronised steps completed). `run(group, bucket)` returns a
+// `CommFuture`: the collective it started plus continuations (`then`), each
+// of which may start another collective. The reducer advances every bucket's
+// future one link at a time, in bucket order (all first links, then all
+// second links...), so continuations' collectives come in the same order on
+// every rank; they run on the thread that finishes backward, after the last
+// bucket is launched (a second round does not overlap backward; untested
+// whether chaining on gloo's completion threads would be faster). An
+// abandoned step waits for the collective in flight only and drops the
+// continuations, so a hook that updates its state in its last link (PowerSGD
+// does) keeps no trace of that step. Optional `prepare(group)` runs in the
+// reducer's constructor on every rank. A hook constructible from
+// `CommOptions` gets `DDPOptions::comm()`. Built in: `AllReduceMean`
+// (default), `Fp16Compression`, `Bf16Compression`, `PowerSGD`, and
+// `RuntimeComm` (one of those four chosen at run time by `CommOptions::kind`,
+// so one Trainer type serves the examples' `--comm` flag). Writing one (fp16
+// on the wire; also at the top of `parallel/grad_comm.hpp`): ```cpp struct
+// Float16Wire { static constexpr const char* name = "my_fp16";
+// std::vector<torch::Tensor> wire; // state: one buffer per bucket
+// ddpkit::parallel::CommFuture run(const ddpkit::dist::Group& g,
+// ddpkit::parallel::GradBucket& b) { if (wire.size() <= b.index)
+// wire.resize(b.index + 1); wire[b.index] =
+// b.buffer.div(g.size()).to(torch::kHalf); auto half = wire[b.index]; return
+// ddpkit::parallel::CommFuture( ddpkit::dist::all_reduce_async(g, half))
+// .then([buf = b.buffer, half]() mutable { buf.copy_(half); // the mean, back
+// in place return ddpkit::dist::compat::WorkPtr(); // nothing more to send
+// }); } }; using MyDDP = ddpkit::parallel::BasicDDP<Float16Wire>; ``` Limits:
+// continuations run after backward (no overlap of a second round); a hook
+// must start the same collectives in the same order on every rank (as any
+// collective code). - fp16/bf16 divide, cast into a per-bucket wire buffer,
+// all-reduce in that type, widen back. On one host the half-precision buffer
+// goes through the shared-memory channel (which now adds fp16 and bf16; test:
+// the `ddp_train` worker fails unless every bucket of every step is an
+// operation of the channel, checked for fp16 and bf16 — red when the channel
+// refused half types: "0 of 1 buckets went through shared memory"). It is
+// copied through the channel's slots, while float32 buckets are reduced in
+// place in shared memory, so on one host fp16 moves fewer bytes but is not
+// obviously faster (see BENCHMARKS.md, `comm/`). Where the backend cannot add
+// the type (gloo in libtorch 1.13 cannot add bf16 over TCP; found by a
+// one-element probe in `prepare`), the bucket is sent uncompressed as float32
+// and rank 0 says so once; the old "round to bf16, then send float32" (no
+// bytes saved) is gone. A failed probe followed by a failing float32
+// all-reduce is a broken group and reported as such (untested: no test breaks
+// a group during construction). - PowerSGD (Vogels et al. 2019; PyTorch's
+// `powerSGD_hook`): each gradient as an n×m matrix M (first dimension by the
+// rest); M += last step's error; P = M·Q (Q: last step's when `warm_start`,
+// else a seeded random matrix, the same on every rank); one all-reduce of the
+// Ps together with the uncompressed tensors; P orthonormalised (modified
+// Gram–Schmidt in float64, twice: one float32 pass made full rank differ from
+// plain averaging by 5e-3, now 8.9e-8); Q = Mᵀ·P all-reduced and divided by
+// the world size; the gradient becomes P·Qᵀ and M − P·Qᵀ is kept as the
+// error. 1-D tensors and matrices that would not shrink by
+// `min_compression_rate` go uncompressed; `start_step` plain steps first
+// (default 1000, PyTorch's; the CIFAR example uses 100). State is kept per
+// parameter, so the bucket rebuild after step 0 loses nothing (PyTorch keys
+// it by bucket and needs `start_powerSGD_iter > 1`). Unlike PyTorch's hook,
+// uncompressed tensors carry no error (theirs sums to zero over the ranks).
+// Tests: at full rank with no minimum rate, 5 steps of SGD with momentum
+// equal plain averaging within 8.9e-8; at rank 1 they differ (2.8e-2); with
+// error feedback, w0 − w_T = lr·(mean over ranks of the true gradients − mean
+// error left) for every parameter (≤ 2.7e-5; red without error feedback:
+// 0.59), the ranks' weights are identical, 1-D tensors carry no error, and a
+// step carries 596 bytes instead of 3412 (`Group::bytes_started`).
+// `examples/cifar10 --comm powersgd --powersgd-rank 2` loses no validation
+// accuracy against all-reduce in the CTest run (0.958 both with 0.2's seeds;
+// 0.933 against 0.904 with 0.3's, `tests/examples/compare_comm.sh` allows it
+// 0.02 lower) with 76.8× fewer gradient bytes per step (`summary.json`'s
+// `gradient_bytes_per_step`). Not done: PyTorch's batching of same-shaped
+// tensors, and a comparison with PyTorch's own hook in Python (its random Q
+// comes from NumPy's generator).
 
 /// One bucket as a hook sees it. `buffer` holds this rank's gradients
 /// (summed over any no_sync micro-steps), flat; when the hook's future

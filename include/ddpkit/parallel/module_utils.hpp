@@ -16,6 +16,17 @@
 
 namespace ddpkit::parallel {
 
+// Note [Each tensor once]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Each tensor once. libtorch's `Module::parameters()` does not de-duplicate:
+// a tensor registered under two names (tied embeddings) appears twice, and an
+// optimizer given that list steps it twice, a norm counts its gradient twice.
+// Python's `parameters()` lists it once. The Trainer therefore gives the
+// optimizer factory, clipping, the finiteness check and AMP's unscale
+// `parallel::unique_parameters(m)` (test: a tied model through the Trainer
+// equals the same model registered once, with and without clipping); the
+// reducer already gave such a tensor one slot.
+
 /// The module behind a holder (`ResNet34`) or a `std::shared_ptr<Module>`.
 template <class Model>
 torch::nn::Module& as_module(Model& model) {

@@ -38,117 +38,40 @@
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/scope_guard.hpp"
 #include "ddpkit/distributed/collectives.hpp"
+#include "ddpkit/parallel/autograd_hooks.hpp"
+#include "ddpkit/parallel/bucket_store.hpp"
 #include "ddpkit/parallel/grad_comm.hpp"
+#include "ddpkit/parallel/reducer_options.hpp"
 #include "ddpkit/parallel/trace.hpp"
 
 namespace ddpkit::parallel {
 
-/// Reducer settings.
-struct ReducerOptions {
-  /// DDP's bucket size cap when none is set (PyTorch: bucket_cap_mb = 25).
-  static constexpr int64_t kDefaultBucketCapBytes = 25 * 1024 * 1024;
-  /// Bucket size cap: kDefaultBucketCapBytes unless set (ZeRO2 uses its own
-  /// smaller default when none is set, and honours any that is).
-  ReducerOptions& bucket_cap_bytes(int64_t bytes) {
-    bucket_cap_bytes_ = bytes;
-    return *this;
-  }
-  int64_t bucket_cap_bytes() const {
-    return bucket_cap_bytes_.value_or(kDefaultBucketCapBytes);
-  }
-  /// Whether a bucket cap was set (even one equal to the default).
-  bool bucket_cap_set() const {
-    return bucket_cap_bytes_.has_value();
-  }
-
- private:
-  std::optional<int64_t> bucket_cap_bytes_;
-
- public:
-  /// The first bucket (the last layers' gradients, ready first) is smaller,
-  /// so communication starts early.
-  TORCH_ARG(int64_t, first_bucket_cap_bytes) = 1024 * 1024;
-  /// The last bucket holds the first layers' gradients, which are ready only
-  /// when backward ends: everything in it is communication nobody overlaps.
-  /// Capping it keeps that tail short (0: no separate cap).
-  TORCH_ARG(int64_t, last_bucket_cap_bytes) = 1024 * 1024;
-  /// PyTorch's find_unused_parameters. true: the DDP engine walks the
-  /// autograd graph from forward's output to find the parameters this rank
-  /// does not use, and marks them ready when backward starts (their buckets
-  /// still overlap with backward); they contribute what `.grad` holds (zero
-  /// after zero_grad). After the step a parameter unused on every rank
-  /// keeps its gradient as it was (undefined stays undefined, so the
-  /// optimizer skips it); one used on some ranks gets the average over all
-  /// ranks. Costs one small all-reduce (a used-flag per parameter) per step.
-  /// false: a parameter that got no gradient is an error naming it.
-  /// Either way a parameter used only in earlier no_sync micro-steps is
-  /// used: its accumulated gradient is averaged.
-  TORCH_ARG(bool, find_unused_parameters) = false;
-  /// When the group reduces through shared memory (every rank on one
-  /// host), keep the gradient buckets in a shared segment, so each
-  /// all-reduce reads the other ranks' gradients where they lie instead of
-  /// copying them through the channel (about half the memory traffic).
-  /// Falls back to ordinary memory when the segment cannot be made.
-  TORCH_ARG(bool, shared_buckets) = true;
-  /// After the first synchronised step, rebuild the buckets in the order
-  /// the gradients arrived on rank 0 (broadcast, so every rank agrees), as
-  /// PyTorch does once: a model whose modules are registered in another
-  /// order than they run still overlaps communication with backward.
-  TORCH_ARG(bool, rebuild_buckets) = true;
-  /// ZeRO-2: the rank that owns each parameter's averaged gradient (indexed
-  /// like the parameters given to the reducer; every rank the same). Buckets
-  /// never span two owners; each is reduced to its owner
-  /// (dist::reduce_mean_async) instead of all-reduced, and the other ranks
-  /// free it once the reduce has completed: their `.grad` of a parameter
-  /// they do not own is undefined after the step. A rank keeps its own
-  /// buckets (about 1/world of the gradients) between steps, and a few
-  /// others while backward runs (see unowned_buckets_in_flight). Empty
-  /// (the default): every rank keeps every averaged gradient (DDP). Only
-  /// with the plain mean (AllReduceMean); shared_buckets does not apply.
-  TORCH_ARG(std::vector<int>, gradient_owners) = {};
-  /// ZeRO-2: how many buckets owned by other ranks are held at once during
-  /// backward when gradients arrive in bucket order. When a new one is
-  /// needed and this many are held, backward first waits for the oldest
-  /// launched one's reduce and frees it (bounded memory, less overlap).
-  /// See Note [ZeRO-2's buckets in flight] for when more are held.
-  TORCH_ARG(int, unowned_buckets_in_flight) = 2;
-};
-
-/// One bucket: a flat buffer over some parameters' gradients.
-struct Bucket {
-  std::vector<std::size_t> params;  // indices into the reducer's parameters
-  std::vector<int64_t> offsets;
-  torch::Tensor flat;
-  std::vector<torch::Tensor> views;  // per parameter, shaped like it
-  int owner = -1;  // ZeRO-2: the rank that keeps it (-1: every rank)
-  std::size_t pending = 0;
-  bool launched = false;
-  CommFuture future;  // the communication hook's, while launched
-  Trace::clock::time_point launch_time;
-};
-
-namespace detail {
-
-/// Runs after a parameter's AccumulateGrad node, i.e. once its `.grad` holds
-/// this backward's contribution. `target` is cleared when the reducer goes.
-class AccumulatedHook : public torch::autograd::FunctionPostHook {
- public:
-  using Callback = std::function<void(std::size_t)>;
-  AccumulatedHook(std::shared_ptr<Callback> target, std::size_t index)
-      : target_(std::move(target)), index_(index) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    if (*target_) (*target_)(index_);
-    return outputs;
-  }
-
- private:
-  std::shared_ptr<Callback> target_;
-  std::size_t index_;
-};
-
-}  // namespace detail
+// Note [The reducer's step protocol]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The reducer's step is a state machine (idle → running at the first gradient
+// hook, which queues the end-of-backward callback → idle when that callback
+// has waited for every bucket). A backward that throws (a failing op, a
+// failed SyncBN collective) never reaches its callback and may leave buckets
+// in flight. The DDP engine catches it, waits for those buckets and resets
+// (`Reducer::abandon_step`), then rethrows: a loop that catches the error and
+// skips the batch trains exactly as if it had never seen it (test "DDP: a
+// backward that throws mid-step can be skipped…", ≤ 1e-5 against one process;
+// 0 buckets in flight after). Code that drives the Reducer directly gets the
+// same recovery from `prepare_for_backward()` or `zero_grad()`; a backward
+// started without either is refused at its first gradient ("the previous
+// step's reduction did not finish"). The reducer tells an abandoned step from
+// a running one without a graph-task id (libtorch 1.13 has none): the queued
+// callback holds a token, and the token expires when the autograd graph task
+// holding it is destroyed unrun. A gradient accumulated twice in one backward
+// (reentrant backward, reentrant checkpointing) is an error naming the
+// parameter, not a race with its bucket's all-reduce. An error while waiting
+// for buckets still waits for the rest (a broken channel fails them at once),
+// so nothing is left in flight. Hooks take a mutex (parameters on several
+// devices run hooks on several autograd threads; untested here, no GPU).
+// Bucket views have their parameter's strides (`channels_last` weights keep
+// theirs), and `Reducer::gradient_copies()` counts gradients copied back in
+// after `.grad` was set to None: the Trainer test asserts 0 after whole
+// epochs.
 
 /// Averages the gradients of `params` across the ranks of `group` during
 /// backward. Construct it once; every `backward()` afterwards leaves averaged
@@ -165,15 +88,14 @@ class AccumulatedHook : public torch::autograd::FunctionPostHook {
 /// }
 /// ```
 template <comm_hook Comm = AllReduceMean>
-class Reducer {
+class Reducer : public BucketStore {
  public:
   /// `comm`: the communication hook that averages each bucket (its state
   /// lives as long as the reducer).
   Reducer(std::vector<torch::Tensor> params, std::vector<std::string> names,
           dist::Group group, ReducerOptions opts = {}, Trace* trace = nullptr,
           Comm comm = Comm())
-      : group_(std::move(group)),
-        opts_(opts),
+      : BucketStore(std::move(group), std::move(opts)),
         trace_(trace),
         comm_(std::move(comm)) {
     check_owners(params.size());
@@ -247,9 +169,6 @@ class Reducer {
     return NoSyncGuard(*this);
   }
 
-  const std::vector<Bucket>& buckets() const {
-    return buckets_;
-  }
   /// The communication hook (e.g. to read PowerSGD's state).
   Comm& comm_hook() {
     return comm_;
@@ -280,33 +199,6 @@ class Reducer {
   bool sync_enabled() const {
     return enabled_;
   }
-  /// ZeRO-2 (gradient_owners given): buckets are reduced to their owner and
-  /// freed on the other ranks.
-  bool sharded() const {
-    return !owner_.empty() && owner_.front() >= 0;
-  }
-  /// Bytes of gradient buffers this rank holds now: the buckets allocated
-  /// (all of them in DDP; in ZeRO-2 its own, between steps).
-  uint64_t gradient_bytes() const {
-    return bucket_bytes_;
-  }
-  /// The most gradient bytes this rank has held at once since the reducer
-  /// was made: bucket buffers, plus gradients outside the buckets (those a
-  /// ZeRO-2 rank accumulates under no_sync for parameters it does not own)
-  /// as counted when a step starts. Measured from the tensors held, not
-  /// computed. Not counted: a ZeRO-2 bucket's first gradient, which
-  /// autograd makes before the bucket exists and which is copied into it
-  /// at once (one parameter's gradient for a moment).
-  uint64_t peak_gradient_bytes() const {
-    return peak_bytes_;
-  }
-  /// ZeRO-2: the most buckets of other ranks held at once during the last
-  /// completed step (see unowned_buckets_in_flight for the bound). 0 in
-  /// DDP.
-  std::size_t last_step_unowned_buckets_held() const {
-    return last_step_unowned_held_;
-  }
-
   /// Before a backward (the DDP engine calls it from forward, as PyTorch's
   /// `prepare_for_backward`). If an earlier backward threw after launching
   /// some buckets, waits for them (nothing stays in flight) and resets the
@@ -325,21 +217,7 @@ class Reducer {
     std::lock_guard<std::mutex> lock(mutex_);
     finish_abandoned();
     if (!opts_.find_unused_parameters()) return;
-    std::vector<torch::autograd::Node*> stack;
-    std::unordered_set<torch::autograd::Node*> seen;
-    for (const auto& o : outputs) {
-      if (o.defined() && o.grad_fn() && seen.insert(o.grad_fn().get()).second) {
-        stack.push_back(o.grad_fn().get());
-      }
-    }
-    while (!stack.empty()) {
-      auto* node = stack.back();
-      stack.pop_back();
-      for (const auto& edge : node->next_edges()) {
-        auto* next = edge.function.get();
-        if (next && seen.insert(next).second) stack.push_back(next);
-      }
-    }
+    const auto seen = detail::reachable_nodes(outputs);
     expect_unused_.clear();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (!seen.count(accumulators_[i].get())) expect_unused_.push_back(i);
@@ -454,70 +332,11 @@ class Reducer {
   }
 
  private:
-  // Groups the parameters into buckets in `order`, the order their gradients
-  // are expected to be ready. The last ones (ready last) get a bucket of
-  // their own, capped by last_bucket_cap_bytes, so the communication left
-  // after backward is small.
+  // The buckets laid out in `order` (BucketStore::layout_buckets), and a
+  // new step's bookkeeping.
   void build_buckets(const std::vector<std::size_t>& order) {
+    layout_buckets(order);
     const std::size_t n = params_.size();
-    buckets_.clear();
-    auto bytes_of = [&](std::size_t k) {
-      return params_[k].numel() *
-             static_cast<int64_t>(params_[k].element_size());
-    };
-    std::size_t tail = 0;  // order[n - tail, n) form the last bucket
-    if (opts_.last_bucket_cap_bytes() > 0) {
-      const int64_t tail_cap =
-          std::min(opts_.last_bucket_cap_bytes(), opts_.bucket_cap_bytes());
-      int64_t sum = 0;
-      while (tail < n &&
-             (tail == 0 || sum + bytes_of(order[n - 1 - tail]) <= tail_cap)) {
-        sum += bytes_of(order[n - 1 - tail++]);
-      }
-    }
-    Bucket current;
-    int64_t bytes = 0;
-    int64_t cap = opts_.first_bucket_cap_bytes();
-    auto close = [&] {
-      if (current.params.empty()) return;
-      buckets_.push_back(std::move(current));
-      current = Bucket{};
-      bytes = 0;
-      cap = opts_.bucket_cap_bytes();
-    };
-    for (std::size_t pos = 0; pos < n; ++pos) {
-      const std::size_t k = order[pos];
-      const auto& p = params_[k];
-      int64_t pbytes = bytes_of(k);
-      bool other_kind =
-          !current.params.empty() &&
-          (params_[current.params.front()].dtype() != p.dtype() ||
-           params_[current.params.front()].device() != p.device() ||
-           owner_[current.params.front()] != owner_[k]);
-      bool enters_tail = pos + tail == n && pos > 0;
-      if (other_kind || enters_tail ||
-          (!current.params.empty() && bytes + pbytes > cap)) {
-        close();
-      }
-      int64_t offset =
-          current.params.empty()
-              ? 0
-              : current.offsets.back() + params_[current.params.back()].numel();
-      current.params.push_back(k);
-      current.offsets.push_back(offset);
-      current.owner = owner_[k];
-      bytes += pbytes;
-    }
-    close();
-    allocate_buckets();
-    slot_bucket_.assign(n, 0);
-    slot_index_.assign(n, 0);
-    for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      for (std::size_t j = 0; j < buckets_[b].params.size(); ++j) {
-        slot_bucket_[buckets_[b].params[j]] = b;
-        slot_index_[buckets_[b].params[j]] = j;
-      }
-    }
     ready_.assign(n, false);
     used_.assign(n, 0);
     was_undefined_.assign(n, 0);
@@ -546,126 +365,12 @@ class Reducer {
     ++rebuilds_;
   }
 
-  int64_t numel_of(const Bucket& b) const {
-    return b.offsets.back() + params_[b.params.back()].numel();
-  }
-
-  // Buffers for the buckets: in shared memory when the group reduces
-  // through it (one segment per floating type, each bucket on its own cache
-  // lines), otherwise ordinary zeroed tensors. Every rank has the same
-  // layout, so every rank makes the same collective calls here.
-  void allocate_buckets() {
-    bucket_bytes_ = 0;
-    const auto& shm = group_.shm();
-    if (shm && opts_.shared_buckets() && !sharded()) {
-      std::vector<torch::ScalarType> types;
-      for (auto& b : buckets_) {
-        const auto& p = params_[b.params.front()];
-        const auto t = p.scalar_type();
-        if (p.device().is_cpu() &&
-            (t == torch::kFloat || t == torch::kDouble) &&
-            std::find(types.begin(), types.end(), t) == types.end()) {
-          types.push_back(t);
-        }
-      }
-      for (auto type : types) {
-        const int64_t align = 64 / static_cast<int64_t>(c10::elementSize(type));
-        std::vector<std::pair<std::size_t, int64_t>> starts;
-        int64_t total = 0;
-        for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-          const auto& p = params_[buckets_[bi].params.front()];
-          if (!p.device().is_cpu() || p.scalar_type() != type) continue;
-          starts.emplace_back(bi, total);
-          total += (numel_of(buckets_[bi]) + align - 1) / align * align;
-        }
-        auto buffer = shm->shared_buffer(total, type);
-        if (!buffer.defined()) break;  // the same answer on every rank
-        for (auto [bi, start] : starts) {
-          buckets_[bi].flat = buffer.narrow(0, start, numel_of(buckets_[bi]));
-        }
-      }
-    }
-    for (auto& b : buckets_) {
-      if (keeps(b)) allocate(b);
-    }
-  }
-
-  // Whether this rank keeps bucket `b` between steps.
-  bool keeps(const Bucket& b) const {
-    return b.owner < 0 || b.owner == group_.rank();
-  }
-
-  // Gives bucket `b` its buffer (unless it has one, e.g. in shared
-  // memory) and the parameters' views into it.
-  void allocate(Bucket& b) {
-    if (!b.flat.defined()) {
-      b.flat = torch::zeros({numel_of(b)}, params_[b.params.front()].options());
-    }
-    bucket_bytes_ += static_cast<uint64_t>(b.flat.nbytes());
-    peak_bytes_ = std::max(peak_bytes_, bucket_bytes_ + loose_bytes_);
-    b.views.clear();
-    for (std::size_t j = 0; j < b.params.size(); ++j) {
-      const auto& p = params_[b.params[j]];
-      // detach(): a plain alias of the bucket, not an autograd view, so
-      // optimizers may detach_() it in place like any gradient. The view
-      // has the parameter's strides (e.g. channels_last), as autograd
-      // would give its gradient; a parameter with gaps or overlaps gets
-      // a contiguous one.
-      auto slice = b.flat.narrow(0, b.offsets[j], p.numel());
-      b.views.push_back((p.is_non_overlapping_and_dense()
-                             ? slice.as_strided(p.sizes(), p.strides())
-                             : slice.view(p.sizes()))
-                            .detach());
-    }
-  }
-
-  // ZeRO-2: frees bucket `bi`, which another rank owns; its parameters'
-  // gradients become undefined.
-  void release(std::size_t bi) {
-    auto& b = buckets_[bi];
-    if (!b.flat.defined()) return;
-    for (auto k : b.params) params_[k].mutable_grad() = torch::Tensor();
-    bucket_bytes_ -= static_cast<uint64_t>(b.flat.nbytes());
-    b.flat = torch::Tensor();
-    b.views.clear();
-  }
-
-  // ZeRO-2: frees every bucket another rank owns (after their reduces).
-  void release_unowned() {
-    if (!sharded()) return;
-    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-      if (!keeps(buckets_[bi])) release(bi);
-    }
-  }
-
   // ZeRO-2, during a step: gives bucket `bi` (another rank's) its buffer,
   // first waiting for the oldest launched ones' reduces and freeing them
   // while unowned_buckets_in_flight are held. The parameters of the bucket
   // whose gradients have not arrived get their views now, so autograd
   // accumulates into them in place (only the first arrival is copied).
-  //
-  // Note [ZeRO-2's buckets in flight]
-  // Buckets launch strictly in index order (every rank must start the
-  // same collectives in the same order), and only a launched bucket can be
-  // waited for: one that has not launched is waiting for gradients that
-  // this same backward produces later, so waiting for it here, inside an
-  // autograd hook, would deadlock. When `limit` others' buckets are held
-  // and none has launched, another is allocated. So the bound
-  // unowned_buckets_in_flight holds while gradients arrive in bucket
-  // order: a bucket is then complete, and launched, before the next
-  // one's first gradient arrives. The buckets are built in reverse
-  // registration order and, after the first synchronised step, rebuilt
-  // once in the order rank 0's gradients arrived (rebuild_buckets), so a
-  // model whose backward visits its parameters in the same order every
-  // step holds at most `limit` from its second step on. More are held in
-  // the first step (when that order is not reverse registration order:
-  // branches, tied weights, modules registered in another order than they
-  // run), with rebuild_buckets(false), and in steps whose arrival order
-  // differs from the first (data-dependent branches): up to every other
-  // rank's bucket that received a gradient while a bucket below it was
-  // incomplete. last_step_unowned_buckets_held() reports the count; the
-  // test "ZeRO-2 holds at most unowned_buckets_in_flight ..." measures
-  // both cases on a model with branches and a tied weight.
+  // See Note [ZeRO-2's buckets in flight] (bucket_store.hpp).
   void allocate_unowned(std::size_t bi) {
     const auto limit = static_cast<std::size_t>(
         std::max(1, opts_.unowned_buckets_in_flight()));
@@ -695,52 +400,6 @@ class Reducer {
       if (!ready_[k] && !g.defined()) {
         g = b.views[j];
         was_undefined_[k] = 1;
-      }
-    }
-  }
-
-  // Others' buckets allocated now, into the step's maximum (reported by
-  // last_step_unowned_buckets_held). Counted at a step's start too: the
-  // first step finds every bucket allocated at construction.
-  void note_unowned_held() {
-    std::size_t held = 0;
-    for (const auto& o : buckets_) held += !keeps(o) && o.flat.defined();
-    step_unowned_held_ = std::max(step_unowned_held_, held);
-  }
-
-  // At a step's start (the first gradient hook, of parameter `first`):
-  // bytes of gradients held outside the buckets (a ZeRO-2 rank's gradients
-  // of others' parameters accumulated under no_sync), for
-  // peak_gradient_bytes. Not `first`'s: the gradient autograd has just
-  // made, about to be copied into its bucket.
-  void count_loose_gradients(std::size_t first) {
-    loose_bytes_ = 0;
-    loose_.assign(params_.size(), 0);
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      const auto& g = params_[i].grad();
-      if (!g.defined() || i == first) continue;
-      const auto& b = buckets_[slot_bucket_[i]];
-      if (!b.flat.defined() || !is_view_of(g, b.views[slot_index_[i]])) {
-        loose_bytes_ += static_cast<uint64_t>(g.nbytes());
-        loose_[i] = 1;
-      }
-    }
-    peak_bytes_ = std::max(peak_bytes_, bucket_bytes_ + loose_bytes_);
-  }
-
-  void check_owners(std::size_t n) const {
-    const auto& owners = opts_.gradient_owners();
-    if (owners.empty()) return;
-    if (owners.size() != n) {
-      throw UsageError(ddpkit::detail::cat("Reducer: gradient_owners has ",
-                                           owners.size(), " entries for ", n,
-                                           " parameters"));
-    }
-    for (std::size_t i = 0; i < n; ++i) {
-      if (owners[i] < 0 || owners[i] >= group_.size()) {
-        throw UsageError(ddpkit::detail::cat(
-            "Reducer: gradient_owners[", i, "] is ", owners[i],
-            "; expected a rank in [0, ", group_.size(), ")"));
       }
     }
   }
@@ -865,11 +524,6 @@ class Reducer {
     const std::size_t bi = slot_bucket_[i];
     if (!buckets_[bi].flat.defined()) allocate_unowned(bi);
     return buckets_[bi].views[slot_index_[i]];
-  }
-
-  static bool is_view_of(const torch::Tensor& g, const torch::Tensor& view) {
-    return g.data_ptr() == view.data_ptr() && g.sizes() == view.sizes() &&
-           g.strides() == view.strides() && g.dtype() == view.dtype();
   }
 
   // Makes parameter i's .grad its bucket view, keeping what .grad holds.
@@ -1097,27 +751,18 @@ class Reducer {
     if (trace_) trace_->record("wait after backward", t0, t1, 0);
   }
 
-  dist::Group group_;
-  ReducerOptions opts_;
   Trace* trace_;
   Comm comm_;
   int64_t steps_completed_ = 0;
   uint64_t step_bytes_at_start_ = 0, last_step_bytes_ = 0;
-  std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
   std::shared_ptr<detail::AccumulatedHook::Callback> target_ =
       std::make_shared<detail::AccumulatedHook::Callback>();
   std::vector<ddpkit::compat::GradAccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
-  std::vector<Bucket> buckets_;
-  std::vector<int> owner_;  // per parameter (ZeRO-2), else -1
-  uint64_t bucket_bytes_ = 0, peak_bytes_ = 0, loose_bytes_ = 0;
-  std::size_t step_unowned_held_ = 0, last_step_unowned_held_ = 0;
-  std::vector<uint8_t> loose_;  // counted in loose_bytes_, not yet adopted
-  std::vector<std::size_t> slot_bucket_;
-  std::vector<std::size_t> slot_index_;
   std::vector<bool> ready_;
   std::size_t next_to_launch_ = 0;
+  // See Note [The reducer's step protocol].
   enum class StepState { idle, running };
   StepState state_ = StepState::idle;
   std::weak_ptr<char> callback_token_;  // see on_accumulated

@@ -15,10 +15,32 @@
 #include <torch/torch.h>
 
 #include "ddpkit/detail/cpu.hpp"
+#include "ddpkit/detail/error.hpp"
+#include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/train/checkpoint_connector.hpp"
+#include "ddpkit/train/memory_format.hpp"
 #include "ddpkit/train/options.hpp"
 
 namespace ddpkit::train {
+
+// Note [auto settings]
+// ~~~~~~~~~~~~~~~~~~~~
+// `auto` settings: a rule for precision, a timing for the layout, the
+// checkpoint on resume (`train/auto_settings.hpp`, `cli::
+// resolve_auto_settings`). The Trainer takes only concrete settings; the
+// examples' `--precision auto` (default) and `--memory-format auto` are
+// resolved before the Trainer is built, rank 0 deciding for all. The
+// precision follows a rule (`auto_precision`: bf16-mixed on CUDA with native
+// bfloat16 or a CPU with AMX, else 32), not a timing, so the same command on
+// the same machine trains the same way every time; the layout is timed
+// (`choose_memory_format`) and therefore stays opt-in. Every checkpoint
+// records its precision and memory format; a resume with `auto` takes them
+// (`recorded_settings` reads the checkpoint the resume will start from), and
+// `check_resume_settings` refuses a resume whose explicit settings differ
+// unless `resume_allow_changes`, as it does for the world size and seed. A
+// recorded 16-mixed on a device without CUDA is refused in
+// `resolve_auto_settings` itself, naming the checkpoint, since the Trainer's
+// own "16-mixed needs a CUDA device" would not say where 16-mixed came from.
 
 /// What `auto_precision` chose, and why in words.
 struct PrecisionChoice {
@@ -63,6 +85,130 @@ inline PrecisionChoice auto_precision(torch::Device device) {
           "this CPU has no bfloat16 arithmetic (neither AMX nor AVX512-BF16; "
           "bfloat16 autocast measured about 25x slower than float32 on such "
           "a CPU, docs/BENCHMARKS.md)"};
+}
+
+/// The device this rank should train on: its local GPU where CUDA is
+/// available, else the CPU.
+inline torch::Device default_device(const dist::Group& g) {
+  if (torch::cuda::is_available()) {
+    return torch::Device(torch::kCUDA,
+                         static_cast<c10::DeviceIndex>(g.local_rank()));
+  }
+  return torch::kCPU;
+}
+
+/// What `auto` resolved to, and why (one line per setting resolved).
+struct AutoSettings {
+  Precision precision = Precision::fp32;
+  torch::MemoryFormat memory_format = torch::MemoryFormat::Contiguous;
+  std::string why;
+};
+
+/// The precision and the memory format to train with, where each is given
+/// (returned as it is) or automatic (nullopt), resolved alike on every
+/// rank of `group` (each rank must call it; rank 0 decides): a run that
+/// resumes (`resume`: TrainerOptions::resume, `out`: its folder) takes
+/// what its checkpoint recorded (recorded_settings), so it continues as it
+/// began; otherwise the precision follows the hardware (auto_precision, on
+/// the device this rank trains on) and the layout is timed on `sample`, a
+/// batch of the training input's shape (choose_memory_format, at the
+/// resolved precision). A run that trained in 16-mixed, resumed with an
+/// automatic precision where there is no CUDA device, is a UsageError
+/// saying how to continue.
+template <class Model>
+AutoSettings resolve_auto_settings(
+    std::optional<Precision> precision,
+    std::optional<torch::MemoryFormat> memory_format, const std::string& resume,
+    const std::filesystem::path& out, Model& model, const torch::Tensor& sample,
+    const dist::Group& group) {
+  AutoSettings result;
+  result.precision = precision.value_or(Precision::fp32);
+  result.memory_format =
+      memory_format.value_or(torch::MemoryFormat::Contiguous);
+  const bool precision_auto = !precision;
+  const bool layout_auto = !memory_format;
+  if (!precision_auto && !layout_auto) return result;
+  // Rank 0 reads the checkpoint; the codes travel to every rank.
+  struct Codes {
+    int precision = -1;  // a Precision, -1: not auto
+    int by_rule = 0;     // 1: precision from auto_precision
+    int layout = -1;     // 0 contiguous, 1 channels-last, -1: not recorded
+  } codes;
+  std::string from;
+  bool predates = false;  // a checkpoint from before the keys existed
+  const torch::Device device = default_device(group);
+  std::optional<PrecisionChoice> rule;
+  if (group.rank() == 0) {
+    if (auto r = recorded_settings(resume, out)) {
+      from = r->path.string();
+      if (auto p = precision_from_name(r->precision); p && precision_auto) {
+        codes.precision = static_cast<int>(*p);
+      } else if (r->precision.empty() && precision_auto) {
+        // Written before checkpoints recorded it, when 32 was the default.
+        codes.precision = static_cast<int>(Precision::fp32);
+        predates = true;
+      }
+      if (layout_auto && (r->memory_format == "contiguous" ||
+                          r->memory_format == "channels-last")) {
+        codes.layout = r->memory_format == "channels-last" ? 1 : 0;
+      }
+    }
+    if (precision_auto && codes.precision < 0) {  // not recorded: the rule
+      rule = auto_precision(device);
+      codes.precision = static_cast<int>(rule->precision);
+      codes.by_rule = 1;
+    }
+  }
+  dist::CollectiveTag tag("auto settings");
+  if (group.size() > 1) codes = dist::broadcast_value(group, codes, 0);
+  std::string why;
+  if (precision_auto) {
+    if (codes.by_rule) {
+      // Rank 0's choice; the reason as this rank's hardware gives it.
+      if (!rule) rule = auto_precision(device);
+      why = "precision auto: " + rule->reason;
+    } else {
+      why = predates ? "precision auto: 32, as the run being resumed trained "
+                       "(" +
+                           from +
+                           " records no precision: it was written when 32 "
+                           "was the default)"
+                     : "precision auto: as the run being resumed trained (" +
+                           from + ")";
+    }
+    result.precision = static_cast<Precision>(codes.precision);
+    // A run trained in 16-mixed on a GPU, resumed where there is none: say
+    // where 16-mixed came from and how to continue in another precision.
+    if (!codes.by_rule &&
+        codes.precision == static_cast<int>(Precision::fp16_mixed) &&
+        !device.is_cuda()) {
+      throw UsageError(
+          "precision auto: the run being resumed (" +
+          (from.empty() ? std::string("its checkpoint") : from) +
+          ") trained in 16-mixed, which needs a CUDA device, but this run "
+          "trains on " +
+          device.str() +
+          ". To continue it in another precision: --precision 32 (or "
+          "bf16-mixed) --resume-allow-changes");
+    }
+  }
+  if (layout_auto) {
+    if (!why.empty()) why += "\n";
+    if (codes.layout >= 0) {
+      result.memory_format = codes.layout == 1
+                                 ? torch::MemoryFormat::ChannelsLast
+                                 : torch::MemoryFormat::Contiguous;
+      why +=
+          "memory format auto: as the run being resumed trained (" + from + ")";
+    } else {
+      const auto c =
+          choose_memory_format(model, sample, result.precision, device, group);
+      result.memory_format = c.format;
+      why += "memory format auto: " + c.reason;
+    }
+  }
+  result.why = why;
+  return result;
 }
 
 }  // namespace ddpkit::train

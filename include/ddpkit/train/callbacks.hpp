@@ -49,6 +49,57 @@
 
 namespace ddpkit::train {
 
+// Note [The loop and its callbacks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The loop and its callbacks. `Trainer::fit` is a loop over events (FitBegin,
+// EpochBegin, BatchEnd per batch, StepEnd per optimizer step, EpochEnd,
+// FitEnd) that hands each to a compile-time pack: the ready-made callbacks in
+// `train/callbacks.hpp` and the user's in this order — `EarlyStopping`
+// (patience), the user's (in the order given), `ModelCheckpoint` (last.pt at
+// epoch ends and every N batches, the k best, weights by pattern),
+// `MetricsFiles`, `TensorBoardLog`, `ProgressDisplay` — so a checkpoint
+// written at a `StepEnd` or `EpochEnd` holds every callback's state, and the
+// generator, after that event (tested: a callback counting epochs resumes at
+// 4 after 2 + 2; with the user's callbacks after the checkpoint it was 3). A
+// mid-epoch resume restores the generator after `EpochBegin`, as the
+// uninterrupted run had it. `stop` set by a callback on any rank is
+// all-reduced at the epoch's end (with the signal flag, one 16-byte
+// all-reduce), so every rank stops after the same epoch (tested with rank 1
+// alone asking). Only rank 0's `state()` is saved; every rank loads it. What
+// stays in the Trainer is what every rank must do alike: the step
+// (accumulation, AMP, clipping), the epoch's reduction and evaluation,
+// best/bad-epoch bookkeeping in `FitState`, the signal stop, and the
+// checkpoint itself: `save_checkpoint` is the one place the versioned
+// dictionary is written (model, optimizer, loop state, loss scale, RNG,
+// mid-epoch position, then each stateful callback's `state()` under
+// `callbacks/<name>`) and `try_resume` the one place it is read. Callbacks
+// reach it through `CheckpointWriter` (`write` on rank 0 at an epoch's end;
+// `write_mid_epoch` on every rank at a `StepEnd`, since the metrics and every
+// rank's generator are gathered). An event is a type and a callback
+// implements `on(const Event&)`: a misspelt event does not compile, and a
+// class whose hooks carry other names (e.g. the earlier
+// `on_epoch_end(EpochMetrics)`) fails the `callbacks` concept where `fit` is
+// called (compile-fail test `misspelt_callback`: "required for the
+// satisfaction of 'callbacks<Callbacks ...>' [with Callbacks =
+// {OldStyleHooks}]"). Not caught: a class with one correct `on` and a second
+// hook under a wrong name (that hook is never called). A `state()` without
+// `name` and `load_state` is refused (`state_complete`), so state is never
+// silently dropped; two stateful callbacks with one name are a `UsageError`.
+// A checkpoint without a callback's key (an older run) leaves that callback
+// as constructed. Member functions are defined in the class (no macro
+// repeating the `requires` clause).
+
+// Note [Best checkpoints are ranked from the history]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Best checkpoints are ranked from the history. `keep_best(k)` ranks the
+// epochs of the run's history (which the checkpoint carries) by the monitored
+// metric, ties to the earlier epoch, so a resumed run keeps exactly the set
+// an uninterrupted one would (tested). With k > 1 each kept epoch is
+// `best-epoch-E.pt`, written atomically before any file that left the k best
+// is removed; `best.pt` is a hard link to the first, made beside it and
+// renamed over it. With k = 1 only `best.pt` is written, as before, and
+// earlier runs' `best-epoch-*` files are left alone.
+
 /// Writes checkpoints for callbacks (the Trainer is one): the whole
 /// training state as one versioned dictionary, atomically.
 class CheckpointWriter {

@@ -38,6 +38,36 @@
 
 namespace ddpkit::train {
 
+// Note [Checkpoints and weights are torch.save files Python reads by default]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Checkpoints and weights are `torch.save` files Python reads by default.
+// Since PyTorch 2.6 `torch.load(path)` means `weights_only=True`, which
+// refuses TorchScript's pickles (they call
+// `torch.jit._pickle.restore_type_tag`, ddpkit 0.1's format).
+// `compat::save_for_python` pickles with those type tags off, so a model file
+// is a plain dict of tensors in PyTorch's key order (each module's
+// parameters, then its buffers, then its children), and a checkpoint
+// (`train::Checkpoint`, format `ddpkit.checkpoint` version 3; version 3
+// widened the history table with the train/validation time split, and
+// version-2 files still resume, their rows' split NaN) a plain dict: `model`
+// (that state dict), `optimizer` (libtorch's own archive, as a uint8 tensor,
+// since libtorch's optimizer state has no Python equivalent), epoch, best
+// value, history, RNG state. Reading uses ddpkit's own bounded unpickler
+// (`detail/pickle_reader.hpp`): it accepts what Python writes (an
+// `OrderedDict` from `torch.save(model.state_dict())`, torchvision's layout)
+// and refuses, with the file's name and a conversion hint, the legacy pre-1.6
+// format. Checkpoints written by ddpkit 0.1 (libtorch `OutputArchive`s) are
+// not meant to be read by this version (untested: which error they give);
+// resume them with that build. Written through `detail/atomic_file.hpp`
+// (every file ddpkit writes): a temporary with a unique name
+// (`NAME.tmp-XXXXXX`, mkstemp) beside the target, every write, the fsync and
+// the close checked, renamed, the folder fsynced; a failure removes the
+// temporary, leaves the old file and throws `IoError` (exit 74). `last.pt`'s
+// previous version stays as `last-prev.pt` (a hard link renamed into place,
+// so `last.pt` never disappears), for `resume("auto")` to fall back to when
+// `last.pt` fails its checks; reading verifies each stored zip entry's
+// CRC-32.
+
 /// Test hook: called between the temporary file's fsync and the rename.
 using ddpkit::detail::before_rename_hook;
 
@@ -121,6 +151,7 @@ class Checkpoint {
 /// Readers see the old file or the new one, never a partial one; a failed
 /// write (disk full, I/O error) leaves the old file and throws `IoError`.
 /// With `keep_previous`, the old `path` is kept under that name.
+/// See Note [Checkpoint durability] (checkpoint_connector.hpp).
 inline void atomic_save(const Checkpoint& checkpoint,
                         const std::filesystem::path& path,
                         const std::filesystem::path& keep_previous = {}) {

@@ -52,6 +52,29 @@
 
 namespace ddpkit::train {
 
+// Note [Resume is bit-identical]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Resume is bit-identical because all randomness is a function of (seed,
+// epoch, rank, batch): the sampler permutation (`seed + epoch`, equal to
+// Python's `torch.randperm` with a seeded generator), the augmentation
+// generator per batch, and the global RNG reseeded per epoch for dropout.
+
+// Note [Mid-epoch checkpoints]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Mid-epoch checkpoints (`checkpoint_every_n_steps`, counted in batches over
+// the run). Resuming inside an epoch needs what an epoch-end checkpoint does
+// not: the batch reached (`epoch_batches_done`; the sampler's order and every
+// batch's augmentation seed are functions of (seed, epoch, rank, batch), so
+// `Loader::epoch(indices, epoch, first)` rebuilds the rest exactly), the
+// training metrics so far over all ranks (`epoch_sums`, one all-reduce; on
+// resume rank 0 starts from them, the others from zero), and every rank's CPU
+// generator (`rng_cpu_ranks`, one all-gather: dropout draws differ per rank,
+// and rank 0 writes for all). Every rank decides to checkpoint at the same
+// batch (same counts; refused with `uneven_inputs(join)`); resuming one needs
+// the same world size. The TensorBoard events so far are flushed after it, so
+// a resume from it logs each step once. The resumed epoch's images/s count
+// only the images trained after the checkpoint (tested: 32 of 64).
+
 // Note [Checkpoint durability]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A checkpoint is never half written and never lost to the next one: rank 0

@@ -22,6 +22,21 @@
 
 namespace ddpkit::train {
 
+// Note [Decisions use shared values]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Decisions use shared values. Validation numbers are broadcast (rank-0
+// evaluation) or all-reduced (sharded evaluation); the epoch time is rank 0's
+// broadcast; best/early-stop are therefore identical everywhere.
+
+// Note [Epoch times are split]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Epoch times are split. `train_seconds` (epoch start to the end of the last
+// optimizer step, metrics reduced), `val_seconds`, and `seconds` (the whole
+// epoch); `train_images_per_second` divides the epoch's training images by
+// `train_seconds` (what other tools call throughput),
+// `epoch_images_per_second` by `seconds` (the figure that used to be called
+// `images_per_second`).
+
 /// Every rank at the end of epoch `s.epoch`: reduces the training metrics
 /// over `group` (null: one process), runs `evaluate()` (an EvalResult,
 /// identical on every rank), times the epoch, appends the row to

@@ -23,6 +23,19 @@
 
 namespace ddpkit::train {
 
+// Note [Rank-0 evaluation is not bounded by the collective timeout]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Rank-0 evaluation is not bounded by the collective timeout. With
+// `RankZeroEval` the other ranks used to wait in the broadcast of rank 0's
+// numbers, so a validation pass longer than the collective timeout failed
+// them. `dist::broadcast_when_ready` makes them wait for a store key rank 0
+// sets when its numbers are ready (up to `TrainerOptions::eval_timeout`,
+// default 3600 s, `--eval-timeout`), and only then broadcast. Keys come from
+// a per-group counter shared with the side group, the same sequence on every
+// rank. Test: 3 s of evaluation on rank 0 against a 1 s collective timeout
+// passes (red with the plain broadcast: rank 1 times out); a 1 s eval timeout
+// fails rank 1 naming the wait.
+
 /// [samples, task sums...] (float64, so sums are exact enough to be
 /// identical whichever rank computed them) over `indices` of `set`, batched
 /// by a Loader with `transform` and `lo`, in eval mode without gradients.

@@ -24,6 +24,23 @@
 
 namespace ddpkit::train {
 
+// Note [Channels-last is measured, not assumed]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Channels-last is measured, not assumed (`train/memory_format.hpp`, issue
+// 32): `choose_memory_format` times `reps` forward + backward passes of the
+// user's model on a sample batch in each layout, under the run's autocast,
+// before the Trainer exists (DDP's buckets take the parameters' strides at
+// construction, so the layout cannot change later), and keeps contiguous
+// unless channels-last is at least 3 % faster on rank 0, whose choice every
+// rank takes (one all-reduce). The model is restored (parameters, BatchNorm
+// statistics, layout, gradients, the CPU generator's state, so the run draws
+// what it would have drawn). Test: the restoration (red without it) and the
+// margin's decision; which layout wins is this machine's business and is not
+// asserted. The cifar10 and flowers examples call it for `--memory-format
+// auto` (their default stays contiguous: a choice made by timing can differ
+// between a run and its resume, and the resumed run would then not be
+// bit-identical; test `example.cifar10-ddp-memory-format-auto`, world 2).
+
 /// What `choose_memory_format` measured and chose.
 struct MemoryFormatChoice {
   torch::MemoryFormat format = torch::MemoryFormat::Contiguous;

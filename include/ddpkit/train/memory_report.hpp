@@ -20,6 +20,35 @@
 
 namespace ddpkit::train {
 
+// Note [Memory is counted from the tensors, and measured by the kernel]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Memory is counted from the tensors, and measured by the kernel
+// (`FitResult::memory`, summary.json's `memory_bytes_per_rank`, gathered from
+// every rank at the fit's end). Counted by ddpkit: `optimizer_state` — the
+// bytes of the tensors in the optimizer's state (`optimizer_state_bytes`:
+// SGD's momentum, Adam's and AdamW's moments, RMSprop's, Adagrad's; a
+// ShardedOptimizer's shard); `gradients_peak` — the reducer's largest
+// simultaneous bytes of bucket buffers plus gradients held outside them,
+// counted at each allocation and at each step's start (not counted: the one
+// gradient autograd makes before its ZeRO-2 bucket exists, copied at once);
+// `parameter_gather` — the largest buffer the parameters were gathered
+// through (the shared gather buffer, or a chunk). The same accounting in a
+// table for the ZeRO paper's 7.5B-parameter model is in docs/BENCHMARKS.md.
+// Measured outside that code (`train/step_memory.hpp`,
+// `detail/process_memory.hpp`, Note [Measured memory]): around every training
+// step the kernel's resident high-water mark is reset
+// (`/proc/self/clear_refs`) and read after (`step_peak_resident`, the largest
+// over the steps; `step_peaks_per_step` false where the kernel refuses the
+// reset, and the figure is then the process's peak since start);
+// `step_peak_proportional` counts the shared-memory pages (buckets, the
+// gather buffer) by each rank's share (Pss_Shmem), so DDP's shared buckets
+// are not counted once per rank and ZeRO is not flattered; on CUDA
+// `step_peak_device_allocated` is the caching allocator's peak.
+// `example.flowers-resnet34-zero-memory` checks that, over the ranks, the
+// saving the kernel measures against DDP is at least 3/4 of the saving
+// counted (measured 117-144 %; buckets counted as freed but kept alive
+// measured -13 %: red).
+
 /// Each rank's memory, measured now; with `group` (several processes)
 /// every rank calls it at the same point and all receive every rank's.
 template <class Engine>

@@ -24,6 +24,19 @@
 
 namespace ddpkit::train {
 
+// Note [Finite or stop]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Finite or stop. The per-step agreement (one 3 × int64 max all-reduce:
+// pending signal, `world - rank` of the first rank whose loss was not finite,
+// whether the averaged gradients are) runs between backward and the optimizer
+// step; gradients after DDP's all-reduce are identical on every rank, so
+// every rank decides the same. The gradient check (`train::gradients_finite`)
+// sums each gradient (NaN and infinities propagate through a sum) and, only
+// when the sum of sums is not finite (a NaN, an infinity, or finite values
+// overflowing), checks `isfinite().all()` per parameter; one host sync in the
+// usual case. The element check alone cost ~100 ms of a 1.7 s ResNet-34 step
+// at 128 px (docs/BENCHMARKS.md); the sums ~10 ms.
+
 /// Whether every gradient of `module` is finite (one host sync).
 inline bool grads_finite(const torch::nn::Module& module) {
   return gradients_finite(parallel::unique_parameters(module));

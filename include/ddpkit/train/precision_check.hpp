@@ -17,6 +17,25 @@
 
 namespace ddpkit::train {
 
+// Note [Precision is one option, autocast is per device type]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Precision is one option, autocast is per device type.
+// `TrainerOptions::precision` (`32`, `bf16-mixed`, `16-mixed`, Lightning's
+// names): the mixed ones wrap each forward+backward (and evaluation's
+// forward) in `compat::AutocastGuard` for the trainer's device type (CPU or
+// CUDA; `AutocastState` carries it, and 1.13's separate CPU/GPU calls live in
+// compat.hpp); the loss is computed on the output cast to float32. Only
+// `16-mixed` uses the loss scaler and skips the finiteness check (the scaler
+// has its own); `bf16-mixed` keeps `check_finite`. Parameters, gradients, DDP
+// buckets and optimizer state stay float32, so the reducer, comm hooks,
+// clipping, accumulation and checkpoints are unchanged.
+// `memory_format(ChannelsLast)` converts 4-D parameters and buffers in
+// `prepare` (`parallel::to_memory_format`, in place through `set_data`, the
+// one conversion the Trainer, `choose_memory_format` and the benchmarks
+// share), before the engine (and DDP's buckets, which keep each parameter's
+// strides) exist, and each input at its copy to the device. Measured in
+// docs/BENCHMARKS.md ("Precision and memory layout").
+
 /// The autocast state of mixed precision `p` on `device`.
 inline ddpkit::compat::AutocastState autocast_state(Precision p,
                                                     torch::Device device) {

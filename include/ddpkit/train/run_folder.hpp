@@ -21,6 +21,15 @@
 
 namespace ddpkit::train {
 
+// Note [The output folder]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// The output folder (`train/run_folder.hpp`, rank 0): `OUT/.lock` held with
+// flock(2) while the Trainer lives (the kernel drops it with the process, so
+// a killed run never blocks); a fresh run refuses a folder with an earlier
+// run's `last.pt`/`last-prev.pt`/`metrics.jsonl` unless `overwrite`. Errors
+// on rank 0 reach every rank through one broadcast
+// (`Trainer::on_main_or_fail`), so no rank waits for one that failed.
+
 /// The newest checkpoint of a run and the one before it (kept until the
 /// newest is durable).
 inline std::filesystem::path last_checkpoint(const std::filesystem::path& out) {

@@ -100,8 +100,13 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
                                 std::optional<double> gradient_bytes) {
   const TrainerOptions& o = info.options;
   JsonObject j;
-  j.add("example", o.run_name())
-      .add("ddpkit_version", std::string(ddpkit::version))
+  j.add("run_name", o.run_name());
+  // "example": the run's name where one was given (the examples name
+  // theirs); a program that keeps the default has no such key.
+  if (o.run_name() != TrainerOptions().run_name()) {
+    j.add("example", o.run_name());
+  }
+  j.add("ddpkit_version", std::string(ddpkit::version))
       .add("libtorch_version", ddpkit::compat::torch_version())
       .add("mode", info.mode)
       .add("world_size", info.world_size)

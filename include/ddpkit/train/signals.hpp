@@ -17,6 +17,27 @@
 
 namespace ddpkit::train {
 
+// Note [Checkpoint on SIGTERM/SIGINT]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Checkpoint on SIGTERM/SIGINT (`checkpoint_on_signal`, default on). During
+// `fit` the two signals only set a flag (one-shot handlers, `SA_RESETHAND`: a
+// second signal has its usual effect; the previous handlers come back when
+// `fit` returns). A signal may reach one rank only, so after each optimizer
+// step the ranks all-reduce the flag (max; 8 bytes, skipped in one process)
+// and all stop on the same batch: a mid-epoch checkpoint there (the same one
+// `checkpoint_every_n_steps` writes, so the resume is exact), then
+// `Interrupted` (`launch`: exit 128 + signal, the message on rank 0). A
+// signal during evaluation is seen after the epoch's own checkpoint (a second
+// all-reduce per epoch). With `uneven_inputs(join)` only that epoch-end check
+// runs. A rank blocked in a collective does not see the flag until the
+// collective ends or times out; the self-spawn launcher sends SIGKILL 30 s
+// after passing the signal on (`SpawnOptions::interrupt_grace`, torchrun's
+// and SLURM's default wait), or at once on a second signal. Tested: SIGTERM
+// to rank 0 of 2 after batch 2 of an epoch and after its last batch (both
+// ranks stop there, resumed weights equal an uninterrupted run's bit for
+// bit); SIGINT in one process (checkpoint at that batch, handler restored;
+// off leaves a handler of the user's in place).
+
 namespace detail {
 /// The first SIGTERM/SIGINT received while a `SignalFlag` is armed (0: none).
 inline volatile std::sig_atomic_t pending_signal = 0;

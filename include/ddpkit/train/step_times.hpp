@@ -18,6 +18,37 @@
 
 namespace ddpkit::train {
 
+// Note [Stragglers]
+// ~~~~~~~~~~~~~~~~~
+// Stragglers. Each rank times what its steps wait for the others
+// (`StepTimes::waited()`: the DDP reducer's wait after backward plus the step
+// agreement's collective, the finiteness check excluded). At an epoch's end
+// the rank puts its epoch's wait in its own slot of `world` doubles appended
+// to the epoch-end all-reduce that already sums the training metrics (no
+// collective added), so every rank holds every rank's wait:
+// `EpochMetrics::rank_wait_seconds` (metrics.jsonl `wait_seconds` and
+// `slowest_rank`, TensorBoard `wait/rank_K`), and `FitResult` adds them over
+// the fit (summary.json `wait_seconds_per_rank`, `slowest_rank`). The slowest
+// rank is the one that waited least. Not in checkpoints' history (its width
+// would depend on the world size, which a resume may change): rows from
+// before a resume have none. Test: rank 1 of 2 reading its data 0.1 s a step
+// late is named, and rank 0's wait exceeds 0.3 s an epoch (task_test.cpp).
+
+// Note [Step times by phase]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Step times by phase (`train/step_times.hpp`). Every step the Trainer reads
+// the steady clock at phase boundaries on the training thread: waiting for
+// the step's batches, forward (up to the loss call; under DataParallel
+// replica 0's), backward (with the overlapped gradient all-reduces; the
+// engine's `last_wait_seconds` is the part spent waiting for them after
+// backward), the per-step agreement, the optimizer step (unscale, clip, step)
+// and the rest (batches to the device, metric sums, callbacks). The sums are
+// `FitResult::step_times`; rank 0's are `step_ms` in `summary.json` (ms per
+// step) and the progress display's last line ("time per step … ms"). On CUDA
+// the phases are host times (kernels run asynchronously; no synchronisation
+// is added): untested. Tested: the DDP trainer test checks the step count and
+// that the phases add up to the whole.
+
 /// Seconds per phase, summed over `steps` optimizer steps.
 struct StepTimes {
   std::int64_t steps = 0;

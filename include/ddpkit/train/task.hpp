@@ -48,6 +48,32 @@
 
 namespace ddpkit {
 
+// Note [The task is a policy; batches stay two tensors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The task is a policy; batches stay two tensors. What is learnt (loss,
+// metrics, what "best" means) is the Trainer's seventh parameter, `Task`
+// (default `Classification`), checked by `task_policy` piece by piece. A task
+// gives the batch's mean loss (what backward runs on), the batch's metrics as
+// `num_sums` sums that add across batches and ranks (so sharded evaluation
+// counts each sample once and every rank finishes the same numbers), `finish`
+// (sums to metrics: sum/count, exp of the mean loss for perplexity), and its
+// monitored metric. The Trainer sums `[samples, task sums...]` in float64 and
+// all-reduces them in the collective that already ran for the training
+// metrics; nothing is added per step. `sums` is given the batch's mean loss
+// as a number (the engines already return it) rather than recomputing it; a
+// task may give `evaluation_sums` of its own (Classification sums the
+// per-sample losses in one reduction, as before tasks existed), so the
+// CIFAR-10 and flowers examples write the same metrics files to the last
+// digit as before (a recorded comparison, issue 28's note). One metric,
+// `monitor` (task default, or `--monitor`/`--mode`), decides early stopping,
+// keep-best, `best.pt`, `summary.json`'s `best_<m>` and the `done:` line:
+// before, early stopping always watched val_acc while keep-best could rank by
+// val_loss. A sample may be any `Example`/pair/tuple of two tensors; a
+// dataset is anything with `size()` and `get(i)`; a collate step (`Stack`,
+// `PadSequences`, or the user's) makes a `data::Batch`. The image path
+// (`get(indices)` + batched transforms) is a separate branch of the loader,
+// chosen at compile time, so its code did not change.
+
 /// Opt-in tag of a task: `using task_concept = ddpkit::task_tag;`.
 struct task_tag {};
 

@@ -28,6 +28,23 @@
 
 namespace ddpkit::train {
 
+// Note [TensorBoard without TensorFlow]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// TensorBoard without TensorFlow. `train::TensorBoardWriter` writes TFRecord
+// framing (length, masked CRC-32C, data, masked CRC-32C) around `Event`
+// messages with scalar (`simple_value`) and text (string tensor, text plugin)
+// summaries, encoded field by field (about a dozen fields; a protobuf
+// dependency and TensorFlow's .proto files would be larger than the encoder).
+// CRC-32C is a 256-entry table computed at compile time (TensorBoard's own
+// pure-Python reader does the same); a link dependency for it would break
+// header-only use. Events stay in memory until the Trainer's epoch-end flush,
+// which comes after the checkpoint: a run killed mid-epoch leaves nothing of
+// that epoch, its resume logs it once (a test kills a run 0.5 s into epoch 3:
+// with a flush per logged step instead, steps 85 and 90 appeared twice). The
+// window between the checkpoint's rename and the flush (milliseconds) would
+// lose that epoch's events, never duplicate them. `global_step` (batches) is
+// in the checkpoint so step numbers continue across resumes.
+
 namespace tensorboard_detail {
 
 /// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), byte at a time.

@@ -31,10 +31,11 @@
 #include "ddpkit/detail/scope_guard.hpp"
 #include "ddpkit/detail/seed.hpp"
 #include "ddpkit/distributed/collectives.hpp"
-#include "ddpkit/nn/batch_norm.hpp"
+#include "ddpkit/nn/bn_policies.hpp"
 #include "ddpkit/parallel/engine.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/train/auto_settings.hpp"
 #include "ddpkit/train/callbacks.hpp"
 #include "ddpkit/train/checkpoint_connector.hpp"
 #include "ddpkit/train/epoch_end.hpp"
@@ -66,16 +67,6 @@ using parallel::LossScaler;
 /// Makes the optimizer over the model's parameters (after they are on the
 /// device and, for DDP, broadcast from rank 0).
 using parallel::OptimizerFactory;
-
-/// The device this rank should train on: its local GPU where CUDA is
-/// available, else the CPU.
-inline torch::Device default_device(const dist::Group& g) {
-  if (torch::cuda::is_available()) {
-    return torch::Device(torch::kCUDA,
-                         static_cast<c10::DeviceIndex>(g.local_rank()));
-  }
-  return torch::kCPU;
-}
 
 /// Trains `Model` the way the policies say.
 ///
