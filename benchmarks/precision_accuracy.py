@@ -148,11 +148,15 @@ def main():
                   f"| {spread([r['test_acc'] for r in rs])} |")
         f32 = [results[m]["32"][s]["best_val_acc"] for s in seeds]
         b16 = [results[m]["bf16-mixed"][s]["best_val_acc"] for s in seeds]
-        within = statistics.mean(b16) >= min(f32)
+        # Accuracies are counts over a validation set, read back as
+        # decimals: a mean equal to 32's worst seed is within its range
+        # (the tolerance is far below one image).
+        within = statistics.mean(b16) >= min(f32) - 1e-6
         verdicts[m] = within
-        print(f"bf16-mixed's mean best val_acc {statistics.mean(b16):.3f} is "
+        print(f"bf16-mixed's mean best val_acc {statistics.mean(b16):.4f} is "
               + ("within" if within else "BELOW")
-              + f" 32's range over the seeds ({min(f32):.3f}-{max(f32):.3f})")
+              + f" 32's range over the seeds ({min(f32):.4f}-{max(f32):.4f}); "
+              + f"means differ by {statistics.mean(f32) - statistics.mean(b16):+.4f}")
         print()
     if a.json:
         with open(a.json, "w") as f:
