@@ -35,6 +35,7 @@
 #include "ddpkit/distributed/env.hpp"
 #include "ddpkit/nn/state_dict.hpp"
 #include "ddpkit/train/checkpoint.hpp"
+#include "ddpkit/train/checkpoint_connector.hpp"
 #include "ddpkit/train/task.hpp"
 #include "targets.hpp"
 
