@@ -106,12 +106,10 @@ int main(int argc, char** argv) {
         // Initial weights from the seed; DDP then broadcasts rank 0's to all.
         torch::manual_seed(args.seed);
         char_lm::CharTransformer model(model_opts.vocab(vocab.size()));
-        // --precision auto (and --memory-format auto: no 4-D weights, so
-        // contiguous untimed).
-        const std::string auto_reason = ddpkit::cli::resolve_auto_settings(
-            args, model, torch::zeros({args.batch_size, context}, torch::kLong),
-            group);
-        if (group.is_main() && !args.quiet) {
+        // The first line, once the Trainer has resolved --precision auto
+        // (and --memory-format auto: no 4-D weights, so contiguous untimed).
+        auto announce = [&](const auto& trainer) {
+          if (!group.is_main() || args.quiet) return;
           std::printf(
               "char_lm %s: world size %d, %zu train / %zu val windows of "
               "%lld chars, vocabulary %lld (%s), %lld parameters; %s\n",
@@ -120,10 +118,17 @@ int main(int argc, char** argv) {
               val_set.size(), static_cast<long long>(context),
               static_cast<long long>(vocab.size()), path.c_str(),
               static_cast<long long>(char_lm::parameter_count(model)),
-              ddpkit::cli::precision_summary(args, /*layout=*/false).c_str());
-          if (!auto_reason.empty()) std::printf("%s\n", auto_reason.c_str());
-        }
-        auto opts = ddpkit::cli::trainer_options(args).run_name("char-lm");
+              ddpkit::cli::precision_summary(trainer.options(),
+                                             /*layout=*/false)
+                  .c_str());
+          if (!trainer.auto_reason().empty()) {
+            std::printf("%s\n", trainer.auto_reason().c_str());
+          }
+        };
+        auto opts = ddpkit::cli::trainer_options(args)
+                        .run_name("char-lm")
+                        .layout_sample(torch::zeros({args.batch_size, context},
+                                                    torch::kLong));
         auto parallel = ddpkit::cli::mode_options<Mode>(args);
         // AdamW decays every tensor, LayerNorm gains and biases included
         // (the factory sees a flat list); at 0.01 that costs nothing here.
@@ -136,6 +141,7 @@ int main(int argc, char** argv) {
               torch::optim::AdamWOptions(lr).weight_decay(kWeightDecay));
         };
         CharTrainer trainer(model, optimizer, opts, group, parallel);
+        announce(trainer);
         auto result = trainer.fit(
             train_set, val_set,
             ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers));

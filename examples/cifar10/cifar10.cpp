@@ -107,11 +107,11 @@ int main(int argc, char** argv) {
         torch::manual_seed(args.seed);
         ddpkit::nn::CifarNet model(
             ddpkit::nn::CifarNetOptions(10).dropout(dropout));
-        // --precision / --memory-format auto (the layout timed on a batch of
-        // the training shape).
-        const std::string auto_reason = ddpkit::cli::resolve_auto_settings(
-            args, model, torch::zeros({args.batch_size, 3, 32, 32}), group);
-        if (group.is_main() && !args.quiet) {
+        // The first line, once the Trainer has resolved --precision /
+        // --memory-format auto (the layout timed on a batch of the training
+        // shape, opts.layout_sample).
+        auto announce = [&](const auto& trainer) {
+          if (!group.is_main() || args.quiet) return;
           std::printf(
               "cifar10 %s: world size %d on %d host%s (transport %s), %zu "
               "train / %zu val "
@@ -124,16 +124,20 @@ int main(int argc, char** argv) {
               args.data.empty() ? "built-in synthetic set" : args.data.c_str(),
               Mode::is_multi_process ? ", gradients: " : "",
               Mode::is_multi_process ? comm.c_str() : "",
-              ddpkit::cli::precision_summary(args).c_str());
-          if (!auto_reason.empty()) std::printf("%s\n", auto_reason.c_str());
-        }
-        auto opts = ddpkit::cli::trainer_options(args)
-                        .schedule(ddpkit::train::ScheduleOptions()
-                                      .kind(ddpkit::train::Schedule::step)
-                                      .step_size(kStepSize)
-                                      .gamma(kGamma))
-                        .patience(kPatience)
-                        .run_name("cifar10");
+              ddpkit::cli::precision_summary(trainer.options()).c_str());
+          if (!trainer.auto_reason().empty()) {
+            std::printf("%s\n", trainer.auto_reason().c_str());
+          }
+        };
+        auto opts =
+            ddpkit::cli::trainer_options(args)
+                .schedule(ddpkit::train::ScheduleOptions()
+                              .kind(ddpkit::train::Schedule::step)
+                              .step_size(kStepSize)
+                              .gamma(kGamma))
+                .patience(kPatience)
+                .run_name("cifar10")
+                .layout_sample(torch::zeros({args.batch_size, 3, 32, 32}));
         auto parallel = ddpkit::cli::mode_options<Mode>(args);
         [&](auto& p) {  // generic: only the ddp build's options have comm()
           if constexpr (requires { p.comm(); }) {
@@ -154,6 +158,7 @@ int main(int argc, char** argv) {
         if (no_augment) train_tf.options.padding(0).flip(0).jitter(false);
         auto run = [&]<class BN>() {
           TrainerWith<BN> trainer(model, optimizer, opts, group, parallel);
+          announce(trainer);
           auto result = trainer.fit(split.train, split.val, train_tf,
                                     ddpkit::data::CifarEval{}, loader);
           // The test set once, at the end, evaluated the recipe's way.

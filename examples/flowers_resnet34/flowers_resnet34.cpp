@@ -133,12 +133,11 @@ int main(int argc, char** argv) {
         num_classes = static_cast<int>(folder.classes.size());
         torch::manual_seed(args.seed);
         auto model = ddpkit::nn::resnet34(num_classes);
-        // --precision / --memory-format auto (the layout timed on a batch of
-        // the training shape).
-        const std::string auto_reason = ddpkit::cli::resolve_auto_settings(
-            args, model,
-            torch::zeros({args.batch_size, 3, image_size, image_size}), group);
-        if (group.is_main() && !args.quiet) {
+        // The first line, once the Trainer has resolved --precision /
+        // --memory-format auto (the layout timed on a batch of the training
+        // shape, opts.layout_sample).
+        auto announce = [&](const auto& trainer) {
+          if (!group.is_main() || args.quiet) return;
           std::printf(
               "flowers-resnet34 %s: world size %d on %d host%s (transport %s), "
               "%zu train / "
@@ -148,9 +147,11 @@ int main(int argc, char** argv) {
               group.hosts() == 1 ? "" : "s",
               Mode::is_multi_process ? group.transport().c_str() : "none",
               folder.train.size(), folder.val.size(), num_classes, image_size,
-              ddpkit::cli::precision_summary(args).c_str());
-          if (!auto_reason.empty()) std::printf("%s\n", auto_reason.c_str());
-        }
+              ddpkit::cli::precision_summary(trainer.options()).c_str());
+          if (!trainer.auto_reason().empty()) {
+            std::printf("%s\n", trainer.auto_reason().c_str());
+          }
+        };
         if (!weights.empty()) {
           // The recipe's transfer-learning step: keep what fits, skip fc if the
           // class count differs.
@@ -177,7 +178,9 @@ int main(int argc, char** argv) {
                                       .kind(ddpkit::train::Schedule::cosine)
                                       .lrf(kLrf))
                         .weights_pattern("weights/model-{epoch}.pt")
-                        .run_name("flowers-resnet34");
+                        .run_name("flowers-resnet34")
+                        .layout_sample(torch::zeros(
+                            {args.batch_size, 3, image_size, image_size}));
         auto make_optimizer = [](std::vector<torch::Tensor> params) {
           std::vector<torch::Tensor> trainable;
           for (auto& p : params) {
@@ -199,6 +202,7 @@ int main(int argc, char** argv) {
         auto fit = [&]<class BN>() {
           TrainerWith<BN> trainer(model, make_optimizer, opts, group,
                                   ddpkit::cli::mode_options<Mode>(args));
+          announce(trainer);
           return trainer.fit(folder.train, folder.val, train_tf, eval_tf,
                              loader);
         };

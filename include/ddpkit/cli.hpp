@@ -14,8 +14,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/policies.hpp"
-#include "ddpkit/train/auto_settings.hpp"
-#include "ddpkit/train/memory_format.hpp"
+#include "ddpkit/train/options.hpp"
 #include "ddpkit/train/trainer.hpp"
 #include "ddpkit/version.hpp"
 
@@ -44,7 +43,7 @@ struct CommonArgs {
   std::int64_t progress_every_n_steps = 0;  ///< plain progress lines (no tty)
   double progress_every_seconds = 30;       ///< plain progress lines (no tty)
   bool amp = false;                         ///< --amp: --precision 16-mixed
-  /// --precision auto|32|bf16-mixed|16-mixed (auto: resolve_auto_settings)
+  /// --precision auto|32|bf16-mixed|16-mixed (auto: the Trainer resolves)
   std::string precision = "auto";
   std::string memory_format = "contiguous";  ///< --memory-format
   int accumulate = 1;                        ///< batches per optimizer step
@@ -188,51 +187,25 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                "the same as --precision 16-mixed (CUDA only)");
 }
 
-/// `--precision`'s value as a `Precision` (`--amp` is 16-mixed; "auto"
-/// before resolve_auto_settings counts as 32).
+/// `--precision`'s value as a `Precision` (`--amp`: 16-mixed; "auto":
+/// Precision::automatic, which the Trainer resolves).
 inline train::Precision precision_of(const CommonArgs& args) {
   if (args.amp) return train::Precision::fp16_mixed;
   return train::precision_from_name(args.precision)
-      .value_or(train::Precision::fp32);
+      .value_or(train::Precision::automatic);
 }
 
-/// `--precision auto` and `--memory-format auto`, resolved alike on every
-/// rank of `group` (each rank must call it) by train::resolve_auto_settings
-/// (train/auto_settings.hpp): a run that resumes takes what its checkpoint
-/// recorded; otherwise the precision follows the hardware and the layout
-/// is timed on `sample`, a batch of the training input's shape. Sets
-/// `args.precision` / `args.memory_format` to the chosen values and returns
-/// why, one line per setting resolved ("" when neither was auto).
-template <class Model>
-std::string resolve_auto_settings(CommonArgs& args, Model& model,
-                                  const torch::Tensor& sample,
-                                  const dist::Group& group) {
-  if (args.amp && args.precision == "auto") args.precision = "16-mixed";
-  const bool precision_auto = args.precision == "auto";
-  const bool layout_auto = args.memory_format == "auto";
-  if (!precision_auto && !layout_auto) return "";
-  std::optional<train::Precision> precision;
-  if (!precision_auto) precision = precision_of(args);
-  std::optional<torch::MemoryFormat> layout;
-  if (!layout_auto) {
-    layout = args.memory_format == "channels-last"
-                 ? torch::MemoryFormat::ChannelsLast
-                 : torch::MemoryFormat::Contiguous;
-  }
-  const auto r = train::resolve_auto_settings(precision, layout, args.resume,
-                                              args.out, model, sample, group);
-  args.precision = train::precision_name(r.precision);
-  args.memory_format = train::memory_format_name(r.memory_format);
-  return r.why;
-}
-
-/// "precision 32, memory format contiguous": the settings an example's
-/// first output line names (`layout` false: precision only).
-inline std::string precision_summary(const CommonArgs& args,
+/// "precision 32, memory format contiguous": the settings a Trainer trains
+/// with (`Trainer::options()`, automatic ones resolved), as an example's
+/// first output line names them (`layout` false: precision only).
+inline std::string precision_summary(const train::TrainerOptions& o,
                                      bool layout = true) {
   std::string s =
-      std::string("precision ") + train::precision_name(precision_of(args));
-  if (layout) s += ", memory format " + args.memory_format;
+      std::string("precision ") + train::precision_name(o.precision());
+  if (layout) {
+    s += std::string(", memory format ") +
+         train::memory_format_name(o.memory_format());
+  }
   return s;
 }
 
@@ -256,9 +229,8 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
                     .every_n_steps(args.progress_every_n_steps)
                     .every_seconds(args.progress_every_seconds))
       .precision(precision_of(args))
-      .memory_format(args.memory_format == "channels-last"
-                         ? torch::MemoryFormat::ChannelsLast
-                         : torch::MemoryFormat::Contiguous)
+      .memory_format(train::memory_format_from_name(args.memory_format)
+                         .value_or(train::MemoryFormat::contiguous))
       .accumulate(args.accumulate)
       .clip(train::ClipOptions()
                 .max_norm(args.clip_grad_norm)

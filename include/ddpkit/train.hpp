@@ -12,6 +12,7 @@
 #include "ddpkit/train/memory_format.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/reduction.hpp"
+#include "ddpkit/train/resume_source.hpp"
 #include "ddpkit/train/run_summary.hpp"
 #include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/trainer.hpp"

@@ -1,7 +1,7 @@
 // SyncBatchNorm and ddpkit's BatchNorm2d (include/ddpkit/nn/batch_norm.hpp,
 // sync_batch_norm_function.hpp): cases of the "parallel" suite (they run
-// DDP workers), included by tests/parallel/parallel_test.cpp, whose workers
-// and helpers they use (one translation unit).
+// DDP workers), included by tests/parallel/parallel_test.cpp (one
+// translation unit); their workers are in sync_batch_norm_workers.hpp.
 #pragma once
 
 TEST_SUITE("parallel") {

@@ -1476,6 +1476,69 @@ TEST_SUITE("train") {
   }
 
   TEST_CASE(
+      "automatic precision and layout are resolved by the Trainer: by the "
+      "hardware rule when fresh, from the checkpoint a resume starts from "
+      "(read once: the resume uses the same read)") {
+    auto d = accumulation_data();
+    const auto loader = data::LoaderOptions(20).workers(0);
+    TempDir out;
+    auto automatic = [&] {
+      return bf16_options(out.path(), train::Precision::automatic)
+          .memory_format(train::MemoryFormat::automatic);
+    };
+    // Fresh: the rule on this CPU; the layout needs a sample to time.
+    CHECK_THROWS_WITH_AS(SingleDeviceTrainer<TinyNet>(
+                             conv_bn(), sgd_momentum(kAccLr), automatic()),
+                         doctest::Contains("layout_sample"), UsageError);
+    {
+      torch::manual_seed(1);
+      SingleDeviceTrainer<TinyNet> t(
+          conv_bn(), sgd_momentum(kAccLr),
+          automatic().layout_sample(torch::zeros({20, 3, 32, 32})));
+      CHECK(t.options().precision() ==
+            train::auto_precision(torch::kCPU).precision);
+      CHECK(t.options().memory_format() != train::MemoryFormat::automatic);
+      CHECK(t.auto_reason().rfind("precision auto: this CPU", 0) == 0);
+      CHECK(t.auto_reason().find("\nmemory format auto: ") !=
+            std::string::npos);
+    }
+    // A run in bf16-mixed and channels-last; resumed with both automatic,
+    // it continues in them.
+    {
+      torch::manual_seed(1);
+      SingleDeviceTrainer<TinyNet> t(
+          conv_bn(), sgd_momentum(kAccLr),
+          bf16_options(out.path(), train::Precision::bf16_mixed)
+              .memory_format(train::MemoryFormat::channels_last)
+              .epochs(1));
+      t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{}, loader);
+    }
+    const auto last = train::last_checkpoint(out.path());
+    const std::string written = test::file_bytes(last);
+    torch::manual_seed(1);
+    SingleDeviceTrainer<TinyNet> resumed(conv_bn(), sgd_momentum(kAccLr),
+                                         automatic().epochs(2).resume("auto"));
+    CHECK(resumed.options().precision() == train::Precision::bf16_mixed);
+    CHECK(resumed.options().memory_format() ==
+          train::MemoryFormat::channels_last);
+    CHECK(resumed.auto_reason() ==
+          "precision auto: as the run being resumed trained (" + last.string() +
+              ")\nmemory format auto: as the run being resumed trained (" +
+              last.string() + ")");
+    // Read once: the checkpoint replaced after the Trainer was built (and
+    // its predecessor gone) does not change what the resume starts from.
+    fs::remove(train::previous_checkpoint(out.path()));
+    test::write_file_bytes(last, std::string("not a checkpoint"));
+    auto r = resumed.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                         loader);
+    CHECK(r.epochs_run == 2);  // epoch 1 resumed from the read, epoch 2 run
+    c10::IValue done;
+    REQUIRE(train::open_checkpoint(last).try_read("epochs_done", done));
+    CHECK(done.toInt() == 2);
+    CHECK(test::file_bytes(last) != written);
+  }
+
+  TEST_CASE(
       "tied weights: a tensor registered under two names trains as if "
       "registered once (stepped once, counted once by clipping)") {
     auto d = accumulation_data();

@@ -3,8 +3,8 @@
 // the precision by what the training device computes natively (a rule
 // from measurements, docs/BENCHMARKS.md), the layout by timing the model
 // (memory_format.hpp); and, for a run that resumes, what its checkpoint
-// recorded (recorded_settings, checkpoint_connector.hpp), so a resumed run
-// continues as it began.
+// recorded (CheckpointConnector::read_ahead), so a resumed run continues
+// as it began. The Trainer resolves them when it is built.
 #pragma once
 
 #include <filesystem>
@@ -26,16 +26,19 @@ namespace ddpkit::train {
 // Note [auto settings]
 // ~~~~~~~~~~~~~~~~~~~~
 // `auto` settings: a rule for precision, a timing for the layout, the
-// checkpoint on resume (`train/auto_settings.hpp`, `cli::
-// resolve_auto_settings`). The Trainer takes only concrete settings; the
-// examples' `--precision auto` (default) and `--memory-format auto` are
-// resolved before the Trainer is built, rank 0 deciding for all. The
+// checkpoint on resume. `Precision::automatic` and `MemoryFormat::
+// automatic` are values of TrainerOptions, from the command line's "auto"
+// (the examples' default precision) to the Trainer, which resolves them
+// when it is built (`resolve_auto_settings`), rank 0 deciding for all,
+// before the engine exists (DDP's buckets take the layout's strides); its
+// `options()` then hold the choice, and checkpoints record it. The
 // precision follows a rule (`auto_precision`: bf16-mixed on CUDA with native
 // bfloat16 or a CPU with AMX, else 32), not a timing, so the same command on
 // the same machine trains the same way every time; the layout is timed
 // (`choose_memory_format`) and therefore stays opt-in. Every checkpoint
 // records its precision and memory format; a resume with `auto` takes them
-// (`recorded_settings` reads the checkpoint the resume will start from), and
+// (the connector's `read_ahead` reads the checkpoint the resume will start
+// from, and the resume uses that read: the file is opened once), and
 // `check_resume_settings` refuses a resume whose explicit settings differ
 // unless `resume_allow_changes`, as it does for the world size and seed. A
 // recorded 16-mixed on a device without CUDA is refused in
@@ -98,60 +101,51 @@ inline torch::Device default_device(const dist::Group& g) {
   return torch::kCPU;
 }
 
-/// What `auto` resolved to, and why (one line per setting resolved).
-struct AutoSettings {
-  Precision precision = Precision::fp32;
-  torch::MemoryFormat memory_format = torch::MemoryFormat::Contiguous;
-  std::string why;
-};
-
-/// The precision and the memory format to train with, where each is given
-/// (returned as it is) or automatic (nullopt), resolved alike on every
-/// rank of `group` (each rank must call it; rank 0 decides): a run that
-/// resumes (`resume`: TrainerOptions::resume, `out`: its folder) takes
-/// what its checkpoint recorded (recorded_settings), so it continues as it
-/// began; otherwise the precision follows the hardware (auto_precision, on
-/// the device this rank trains on) and the layout is timed on `sample`, a
-/// batch of the training input's shape (choose_memory_format, at the
-/// resolved precision). A run that trained in 16-mixed, resumed with an
-/// automatic precision where there is no CUDA device, is a UsageError
-/// saying how to continue.
+/// Resolves `o`'s automatic precision and memory format (Precision::
+/// automatic, MemoryFormat::automatic) in place, alike on every rank of
+/// `group` (each rank must call it; rank 0 decides), and tells
+/// `checkpoints` the result; returns why, one line per setting resolved
+/// ("" when neither was automatic). The Trainer calls it when it is built,
+/// before the engine exists (DDP's buckets take the layout's strides). A
+/// run that resumes takes what its checkpoint recorded (read once, by
+/// `checkpoints.read_ahead()`: the resume uses the same read), so it
+/// continues as it began; otherwise the precision follows the hardware
+/// (auto_precision, on `device`) and the layout is timed on
+/// `o.layout_sample()` (choose_memory_format, at the resolved precision).
+/// A UsageError when the layout must be timed and there is no sample, or
+/// when a run that trained in 16-mixed resumes with an automatic precision
+/// where there is no CUDA device.
 template <class Model>
-AutoSettings resolve_auto_settings(
-    std::optional<Precision> precision,
-    std::optional<torch::MemoryFormat> memory_format, const std::string& resume,
-    const std::filesystem::path& out, Model& model, const torch::Tensor& sample,
-    const dist::Group& group) {
-  AutoSettings result;
-  result.precision = precision.value_or(Precision::fp32);
-  result.memory_format =
-      memory_format.value_or(torch::MemoryFormat::Contiguous);
-  const bool precision_auto = !precision;
-  const bool layout_auto = !memory_format;
-  if (!precision_auto && !layout_auto) return result;
+std::string resolve_auto_settings(TrainerOptions& o,
+                                  CheckpointConnector& checkpoints,
+                                  Model& model, torch::Device device,
+                                  const dist::Group& group) {
+  const bool precision_auto = o.precision() == Precision::automatic;
+  const bool layout_auto = o.memory_format() == MemoryFormat::automatic;
+  if (!precision_auto && !layout_auto) return "";
   // Rank 0 reads the checkpoint; the codes travel to every rank.
   struct Codes {
     int precision = -1;  // a Precision, -1: not auto
     int by_rule = 0;     // 1: precision from auto_precision
-    int layout = -1;     // 0 contiguous, 1 channels-last, -1: not recorded
+    int layout = -1;     // a MemoryFormat, -1: not recorded
   } codes;
   std::string from;
   bool predates = false;  // a checkpoint from before the keys existed
-  const torch::Device device = default_device(group);
   std::optional<PrecisionChoice> rule;
   if (group.rank() == 0) {
-    if (auto r = recorded_settings(resume, out)) {
+    if (auto r = checkpoints.read_ahead()) {
       from = r->path.string();
-      if (auto p = precision_from_name(r->precision); p && precision_auto) {
+      if (auto p = precision_from_name(r->precision);
+          p && *p != Precision::automatic && precision_auto) {
         codes.precision = static_cast<int>(*p);
       } else if (r->precision.empty() && precision_auto) {
         // Written before checkpoints recorded it, when 32 was the default.
         codes.precision = static_cast<int>(Precision::fp32);
         predates = true;
       }
-      if (layout_auto && (r->memory_format == "contiguous" ||
-                          r->memory_format == "channels-last")) {
-        codes.layout = r->memory_format == "channels-last" ? 1 : 0;
+      if (auto f = memory_format_from_name(r->memory_format);
+          f && *f != MemoryFormat::automatic && layout_auto) {
+        codes.layout = static_cast<int>(*f);
       }
     }
     if (precision_auto && codes.precision < 0) {  // not recorded: the rule
@@ -177,11 +171,10 @@ AutoSettings resolve_auto_settings(
                      : "precision auto: as the run being resumed trained (" +
                            from + ")";
     }
-    result.precision = static_cast<Precision>(codes.precision);
+    o.precision(static_cast<Precision>(codes.precision));
     // A run trained in 16-mixed on a GPU, resumed where there is none: say
     // where 16-mixed came from and how to continue in another precision.
-    if (!codes.by_rule &&
-        codes.precision == static_cast<int>(Precision::fp16_mixed) &&
+    if (!codes.by_rule && o.precision() == Precision::fp16_mixed &&
         !device.is_cuda()) {
       throw UsageError(
           "precision auto: the run being resumed (" +
@@ -196,20 +189,24 @@ AutoSettings resolve_auto_settings(
   if (layout_auto) {
     if (!why.empty()) why += "\n";
     if (codes.layout >= 0) {
-      result.memory_format = codes.layout == 1
-                                 ? torch::MemoryFormat::ChannelsLast
-                                 : torch::MemoryFormat::Contiguous;
+      o.memory_format(static_cast<MemoryFormat>(codes.layout));
       why +=
           "memory format auto: as the run being resumed trained (" + from + ")";
     } else {
-      const auto c =
-          choose_memory_format(model, sample, result.precision, device, group);
-      result.memory_format = c.format;
+      if (!o.layout_sample().defined()) {
+        throw UsageError(
+            "memory_format(MemoryFormat::automatic) needs layout_sample: a "
+            "batch of the training input's shape to time both layouts on "
+            "(or choose contiguous or channels-last)");
+      }
+      const auto c = choose_memory_format(model, o.layout_sample(),
+                                          o.precision(), device, group);
+      o.memory_format(memory_format_of(c.format));
       why += "memory format auto: " + c.reason;
     }
   }
-  result.why = why;
-  return result;
+  checkpoints.set_settings(o.precision(), o.memory_format());
+  return why;
 }
 
 }  // namespace ddpkit::train

@@ -48,6 +48,7 @@
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/options.hpp"
+#include "ddpkit/train/resume_source.hpp"
 #include "ddpkit/train/run_folder.hpp"
 
 namespace ddpkit::train {
@@ -298,61 +299,6 @@ struct TrainingState {
   }
 };
 
-/// A checkpoint's bytes as read for a resume, and from where.
-struct ResumeSource {
-  std::filesystem::path path;
-  std::string bytes;
-};
-
-/// Rank 0: the checkpoint `resume` names, read whole. "auto": last.pt, or
-/// when it is missing or `check` finds it damaged, last-prev.pt (with
-/// `warn`, a warning on stderr names the damaged file and why); nullopt
-/// when the folder has neither (a fresh start). A named path must exist and
-/// is not replaced.
-inline std::optional<ResumeSource> read_resume_source(
-    const std::string& resume, const std::filesystem::path& out,
-    const std::function<void(const std::string&, const std::filesystem::path&)>&
-        check,
-    bool warn = true) {
-  namespace fs = std::filesystem;
-  using ddpkit::detail::cat;
-  auto read = [](const fs::path& p) {
-    return ResumeSource{
-        p, ddpkit::detail::read_whole_file(p, "checkpoint " + p.string())};
-  };
-  if (resume != "auto") {
-    if (!fs::is_regular_file(resume)) {
-      throw UsageError(cat("checkpoint ", resume, " does not exist"));
-    }
-    return read(resume);
-  }
-  const fs::path last = last_checkpoint(out), prev = previous_checkpoint(out);
-  std::string why;
-  if (fs::is_regular_file(last)) {
-    try {
-      auto src = read(last);
-      check(src.bytes, src.path);
-      return src;
-    } catch (const Error& e) {
-      if (!fs::is_regular_file(prev)) throw;
-      why = e.what();
-    }
-  } else if (!fs::is_regular_file(prev)) {
-    return std::nullopt;
-  } else {
-    why = "it is missing (a run stopped while replacing it)";
-  }
-  if (warn) {
-    std::fprintf(stderr,
-                 "warning: resume auto: cannot use %s: %s; resuming from the "
-                 "checkpoint before it, %s\n",
-                 last.c_str(), why.c_str(), prev.c_str());
-  }
-  auto src = read(prev);
-  check(src.bytes, src.path);
-  return src;
-}
-
 /// The precision and memory format a checkpoint was written with ("" for
 /// each it does not record: checkpoints before them), and its path.
 struct RecordedSettings {
@@ -516,6 +462,27 @@ class CheckpointConnector {
     mid_ = {};
   }
 
+  /// Rank 0, before the engine exists: reads the checkpoint the next
+  /// resume starts from (that resume then uses this read: the file is
+  /// opened and parsed once) and returns the precision and memory format it
+  /// records; nullopt when not resuming, starting fresh, or the file cannot
+  /// be used (the resume says why). Never throws.
+  std::optional<RecordedSettings> read_ahead() {
+    if (options_.resume().empty()) return std::nullopt;
+    ahead_ = read_now();
+    if (ahead_->status != ResumeRead::Status::read || !ahead_->parsed) {
+      return std::nullopt;
+    }
+    const auto found = TrainingState::recorded_settings(*ahead_->parsed);
+    return RecordedSettings{ahead_->path, found.first, found.second};
+  }
+
+  /// The precision and memory format the Trainer resolved (automatic
+  /// settings), recorded in its checkpoints and checked on resume.
+  void set_settings(Precision p, MemoryFormat f) {
+    options_.precision(p).memory_format(f);
+  }
+
   /// Resumes as TrainerOptions::resume says (every rank): the model, the
   /// optimizer, the loss scale, `s`'s history, best and step, the
   /// callbacks' states, and where an unfinished epoch stands. Returns the
@@ -524,31 +491,24 @@ class CheckpointConnector {
     namespace fs = std::filesystem;
     const std::string& what = options_.resume();
     if (what.empty()) return 0;
-    // Rank 0 reads (Note [Checkpoint durability]). Status: 0 fresh, 1 bytes
-    // follow, 2 rank 0's error message follows.
+    // Rank 0 reads (Note [Checkpoint durability]), or has read ahead
+    // (read_ahead). Status: 0 fresh, 1 bytes follow, 2 rank 0's error
+    // message follows.
     std::int64_t status = 0;
     std::string bytes;
     std::optional<Checkpoint> parsed;  // rank 0's, from checking the file
     fs::path path =
         what == "auto" ? last_checkpoint(options_.out_dir()) : fs::path(what);
     if (rank_ == 0) {
-      try {
-        auto src = read_resume_source(
-            what, options_.out_dir(),
-            [&](const std::string& b, const fs::path& p) {
-              parsed = parse_checkpoint(b, p);
-              TrainingState::load(*parsed, p, columns_, num_sums_);
-            });
-        if (src) {
-          path = src->path;
-          bytes = std::move(src->bytes);
-          status = 1;
-        }
-      } catch (const std::exception& e) {
-        if (world_ == 1) throw;
-        status = 2;
-        bytes = e.what();
+      ResumeRead r = ahead_ ? std::move(*ahead_) : read_now();
+      ahead_.reset();
+      if (r.status == ResumeRead::Status::failed && world_ == 1) {
+        std::rethrow_exception(r.error);
       }
+      status = static_cast<std::int64_t>(r.status);
+      path = r.path;
+      bytes = std::move(r.bytes);
+      parsed = std::move(r.parsed);
     }
     if (world_ > 1) {
       dist::CollectiveTag tag("resume");
@@ -767,8 +727,20 @@ class CheckpointConnector {
     }
   }
 
+  /// Rank 0: the resume's checkpoint, read (and checked) whole.
+  ResumeRead read_now() const {
+    return read_for_resume(
+        options_.resume(), options_.out_dir(),
+        [&](const std::string& b, const std::filesystem::path& p) {
+          Checkpoint parsed = parse_checkpoint(b, p);
+          TrainingState::load(parsed, p, columns_, num_sums_);
+          return parsed;
+        });
+  }
+
   dist::Group group_;
   TrainerOptions options_;
+  std::optional<ResumeRead> ahead_;  ///< rank 0: read_ahead's, until resume
   int rank_ = 0, world_ = 1;
   std::vector<std::string> columns_;
   std::size_t num_sums_ = 0;

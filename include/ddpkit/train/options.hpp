@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include <torch/torch.h>
@@ -44,24 +45,85 @@ enum class Precision {
   /// "16-mixed": CUDA only: autocast to float16 with a dynamic loss scale
   /// whose overflow check is reduced across ranks (`--amp`).
   fp16_mixed,
+  /// "auto": one of the above, chosen by the Trainer when it is built (rank
+  /// 0 for all): what the checkpoint a resume starts from recorded, else
+  /// the hardware's rule (train/auto_settings.hpp, Note [auto settings]).
+  automatic,
 };
 
-/// "32", "bf16-mixed", "16-mixed".
+/// "32", "bf16-mixed", "16-mixed", "auto".
 inline const char* precision_name(Precision p) {
   switch (p) {
     case Precision::bf16_mixed: return "bf16-mixed";
     case Precision::fp16_mixed: return "16-mixed";
+    case Precision::automatic: return "auto";
     default: return "32";
   }
 }
 
-/// The precision a name ("32", "bf16-mixed", "16-mixed") means; nullopt
-/// for any other string.
+/// The precision a name ("32", "bf16-mixed", "16-mixed", "auto") means;
+/// nullopt for any other string.
 inline std::optional<Precision> precision_from_name(const std::string& s) {
   if (s == "32") return Precision::fp32;
   if (s == "bf16-mixed") return Precision::bf16_mixed;
   if (s == "16-mixed") return Precision::fp16_mixed;
+  if (s == "auto") return Precision::automatic;
   return std::nullopt;
+}
+
+/// The memory layout of a model's 4-D parameters, buffers and inputs.
+enum class MemoryFormat {
+  /// "contiguous": NCHW (default).
+  contiguous,
+  /// "channels-last": NHWC, which oneDNN's bfloat16 convolutions on CPUs
+  /// with AMX and cuDNN's tensor cores prefer.
+  channels_last,
+  /// "auto": one of the above, chosen by the Trainer when it is built:
+  /// what the checkpoint a resume starts from recorded, else timed on
+  /// TrainerOptions::layout_sample (train/memory_format.hpp).
+  automatic,
+};
+
+/// "contiguous", "channels-last", "auto".
+inline const char* memory_format_name(MemoryFormat f) {
+  switch (f) {
+    case MemoryFormat::channels_last: return "channels-last";
+    case MemoryFormat::automatic: return "auto";
+    default: return "contiguous";
+  }
+}
+
+/// The layout a name ("contiguous", "channels-last", "auto") means; nullopt
+/// for any other string.
+inline std::optional<MemoryFormat> memory_format_from_name(
+    const std::string& s) {
+  if (s == "contiguous") return MemoryFormat::contiguous;
+  if (s == "channels-last") return MemoryFormat::channels_last;
+  if (s == "auto") return MemoryFormat::automatic;
+  return std::nullopt;
+}
+
+/// libtorch's memory format for a chosen layout (`automatic` must have been
+/// resolved: std::logic_error otherwise).
+inline torch::MemoryFormat torch_memory_format(MemoryFormat f) {
+  if (f == MemoryFormat::automatic) {
+    throw std::logic_error("memory format auto used before it was resolved");
+  }
+  return f == MemoryFormat::channels_last ? torch::MemoryFormat::ChannelsLast
+                                          : torch::MemoryFormat::Contiguous;
+}
+
+/// The layout libtorch's `Contiguous` or `ChannelsLast` names; a UsageError
+/// for any other (4-D models only).
+inline MemoryFormat memory_format_of(torch::MemoryFormat f) {
+  if (f == torch::MemoryFormat::ChannelsLast) {
+    return MemoryFormat::channels_last;
+  }
+  if (f != torch::MemoryFormat::Contiguous) {
+    throw UsageError(
+        "memory_format must be Contiguous or ChannelsLast (4-D models)");
+  }
+  return MemoryFormat::contiguous;
 }
 
 /// The autocast dtype of a mixed precision (float32 for "32").
@@ -179,17 +241,35 @@ struct TrainerOptions {
   TORCH_ARG(data::DistributedSamplingOptions, sampling) = {};
   /// Ranks with different batch counts: refuse (default) or join.
   TORCH_ARG(UnevenInputs, uneven_inputs) = UnevenInputs::refuse;
-  /// 32 (default), bf16-mixed (CPU and CUDA) or 16-mixed (CUDA); see
-  /// `Precision`. Checkpoints hold float32 weights whichever is chosen.
+  /// 32 (default), bf16-mixed (CPU and CUDA), 16-mixed (CUDA) or
+  /// automatic (resolved when the Trainer is built; `Trainer::options()`
+  /// holds the choice); see `Precision`. Checkpoints hold float32 weights
+  /// whichever is chosen.
   TORCH_ARG(Precision, precision) = Precision::fp32;
-  /// The memory layout of 4-D parameters, buffers and inputs:
-  /// `Contiguous` (NCHW, default) or `ChannelsLast` (NHWC), which oneDNN's
-  /// bfloat16 convolutions on CPUs with AMX and cuDNN's tensor cores prefer.
-  /// The model is converted at construction, before DDP lays out its
-  /// gradient buckets (each gradient keeps its parameter's strides), and
-  /// each batch's input at its copy to the device.
-  TORCH_ARG(torch::MemoryFormat,
-            memory_format) = torch::MemoryFormat::Contiguous;
+
+ public:
+  /// The memory layout of 4-D parameters, buffers and inputs (see
+  /// `MemoryFormat`; libtorch's `Contiguous` and `ChannelsLast` are taken
+  /// too): contiguous (default), channels-last or automatic (resolved when
+  /// the Trainer is built, timed on `layout_sample` unless a resume's
+  /// checkpoint recorded one). The model is converted at construction,
+  /// before DDP lays out its gradient buckets (each gradient keeps its
+  /// parameter's strides), and each batch's input at its copy to the device.
+  TrainerOptions& memory_format(MemoryFormat f) {
+    memory_format_ = f;
+    return *this;
+  }
+  TrainerOptions& memory_format(torch::MemoryFormat f) {
+    memory_format_ = memory_format_of(f);
+    return *this;
+  }
+  MemoryFormat memory_format() const noexcept {
+    return memory_format_;
+  }
+
+  /// A batch of the training input's shape (values do not matter): what
+  /// MemoryFormat::automatic times both layouts on. Needed only then.
+  TORCH_ARG(torch::Tensor, layout_sample) = {};
   /// The earlier name of `precision(Precision::fp16_mixed)` (true) and
   /// `precision(Precision::fp32)` (false).
   TrainerOptions& mixed_precision(bool on) {
@@ -220,13 +300,10 @@ struct TrainerOptions {
   /// Every this many batches (counted over the whole run, resumes
   /// included) rank 0 logs its batch loss as train/loss_step (0: never).
   TORCH_ARG(int, log_every_n_steps) = 50;
-};
 
-/// "contiguous" or "channels-last".
-inline const char* memory_format_name(torch::MemoryFormat f) {
-  return f == torch::MemoryFormat::ChannelsLast ? "channels-last"
-                                                : "contiguous";
-}
+ private:
+  MemoryFormat memory_format_ = MemoryFormat::contiguous;
+};
 
 /// Throws a UsageError naming the first option with a bad value (or two
 /// that cannot be combined).
@@ -272,11 +349,6 @@ inline void check_options(const TrainerOptions& o) {
   if (o.log_every_n_steps() < 0) {
     throw UsageError(cat("log_every_n_steps ", o.log_every_n_steps(),
                          " must be >= 0 (0: never)"));
-  }
-  if (o.memory_format() != torch::MemoryFormat::Contiguous &&
-      o.memory_format() != torch::MemoryFormat::ChannelsLast) {
-    throw UsageError(
-        "memory_format must be Contiguous or ChannelsLast (4-D models)");
   }
   if (o.accumulate() < 1) {
     throw UsageError(cat("accumulate ", o.accumulate(),

@@ -203,9 +203,9 @@ int train_step(const StepContext<Engine, Task>& c,
   StepTimes& times = s.times;
   const auto me = std::this_thread::get_id();
   for (std::size_t i = 0; i < step.size(); ++i) {
-    const data::Inputs x =
-        to_device_inputs(step[i], c.device, o.memory_format(),
-                         /*non_blocking=*/true);
+    const data::Inputs x = to_device_inputs(
+        step[i], c.device, torch_memory_format(o.memory_format()),
+        /*non_blocking=*/true);
     torch::Tensor y = step[i].target.to(c.device, /*non_blocking=*/true);
     const double n = static_cast<double>(y.size(0));
     const double weight = step.size() == 1 ? 1.0 : n / step_samples;

@@ -115,10 +115,12 @@ class Trainer : private CheckpointWriter {
         task_(std::move(task)),
         monitor_(resolve_monitor<Task>(options_)),
         device_(device.value_or(default_device(group_))),
-        engine_(prepare(std::move(model), group_, options_), group_,
-                std::move(parallel_options), device_),
         checkpoints_(group_, options_, rank(), world(), metric_columns<Task>(),
-                     num_sums) {
+                     num_sums),
+        auto_reason_(resolve_auto_settings(options_, checkpoints_, model,
+                                           device_, group_)),
+        engine_(prepare(std::move(model), group_, options_), group_,
+                std::move(parallel_options), device_) {
     check_options(options_);
     check_precision(options_.precision(), device_, is_main());
     // ZeRO's engine builds the optimizer over this rank's shard.
@@ -258,7 +260,8 @@ class Trainer : private CheckpointWriter {
     lo.rank(group_.rank());
     auto forward = [&](const data::Batch& batch) {
       const data::Inputs x = to_device_inputs(
-          batch, device_, options_.memory_format(), /*non_blocking=*/false);
+          batch, device_, torch_memory_format(options_.memory_format()),
+          /*non_blocking=*/false);
       torch::Tensor y = batch.target.to(device_);
       std::optional<ddpkit::compat::AutocastGuard> mixed;
       if (options_.precision() != Precision::fp32) {
@@ -301,8 +304,14 @@ class Trainer : private CheckpointWriter {
   bool is_main() const {
     return group_.rank() == 0;
   }
+  /// The options as training uses them: automatic precision and layout
+  /// resolved (see `auto_reason`).
   const TrainerOptions& options() const {
     return options_;
+  }
+  /// Why automatic settings resolved as they did ("" when none was).
+  const std::string& auto_reason() const {
+    return auto_reason_;
   }
 
   /// Rank 0 writes OUT/summary.json (fit does this itself; call it again to
@@ -561,9 +570,10 @@ class Trainer : private CheckpointWriter {
   static Model prepare(Model model, const dist::Group& g,
                        const TrainerOptions& o) {
     BN::apply(parallel::as_module(model), g);
-    if (o.memory_format() == torch::MemoryFormat::ChannelsLast) {
+    if (o.memory_format() == MemoryFormat::channels_last) {
       // Before the engine exists: DDP's buckets take these strides.
-      parallel::to_memory_format(parallel::as_module(model), o.memory_format());
+      parallel::to_memory_format(parallel::as_module(model),
+                                 torch::MemoryFormat::ChannelsLast);
     }
     return model;
   }
@@ -573,8 +583,9 @@ class Trainer : private CheckpointWriter {
   Task task_;
   Monitor monitor_;  ///< options_.monitor(), or the task's
   torch::Device device_;
-  engine_type engine_;
   CheckpointConnector checkpoints_;  ///< saves and resumes
+  std::string auto_reason_;          ///< why automatic settings resolved so
+  engine_type engine_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   bool has_batch_norm_ = false;  // summary.json's "bn" (run_info)
   LossScaler scaler_;
