@@ -54,6 +54,7 @@ struct CommonArgs {
   int keep_best = 1;                  ///< best checkpoints kept
   std::int64_t checkpoint_every = 0;  ///< mid-epoch checkpoints (batches)
   bool checkpoint_on_signal = true;   ///< SIGTERM/SIGINT: checkpoint, stop
+  bool async_checkpoint = false;      ///< write checkpoints in the background
   double eval_timeout = 3600;         ///< seconds others wait for rank 0's eval
   /// --monitor: what "best" means (early stopping, keep-best, best.pt,
   /// summary.json); "" : the task's own. --mode: min or max ("": the
@@ -135,6 +136,11 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
              "wait for rank 0 to evaluate the validation set (not bounded "
              "by the collective timeout)",
              CLI::PositiveNumber);
+  app.add_flag("--async-checkpoint,!--no-async-checkpoint",
+               args.async_checkpoint,
+               "rank 0 writes checkpoints in the background: the step "
+               "blocks only while the state is copied to memory (one more "
+               "copy of the model and optimizer state while a write runs)");
   app.add_flag("--checkpoint-on-signal,!--no-checkpoint-on-signal",
                args.checkpoint_on_signal,
                "on SIGTERM/SIGINT, finish the batch, write checkpoints/last.pt "
@@ -240,6 +246,7 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .keep_best(args.keep_best)
       .checkpoint_every_n_steps(args.checkpoint_every)
       .checkpoint_on_signal(args.checkpoint_on_signal)
+      .async_checkpoints(args.async_checkpoint)
       .eval_timeout(args.eval_timeout)
       .monitor(args.monitor)
       .monitor_mode(args.monitor_mode);

@@ -6,6 +6,7 @@
 #include "ddpkit/train/auto_settings.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/checkpoint_connector.hpp"
+#include "ddpkit/train/checkpoint_queue.hpp"
 #include "ddpkit/train/clip.hpp"
 #include "ddpkit/train/evaluation.hpp"
 #include "ddpkit/train/lr.hpp"

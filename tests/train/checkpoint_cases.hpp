@@ -461,4 +461,107 @@ TEST_SUITE("train") {
     CHECK(train::to_json(v2.history[1]).find("\"train_seconds\":null") !=
           std::string::npos);
   }
+
+  TEST_CASE(
+      "asynchronous checkpoint: the file holds the snapshot, not an update "
+      "made right after it (pytorch#144657); a background error is rethrown "
+      "on the training thread") {
+    TempDir out;
+    torch::manual_seed(1);
+    torch::nn::Linear lin(512, 512);
+    torch::NoGradGuard no_grad;
+    const torch::Tensor before = lin->weight.clone();
+    train::Checkpoint archive;
+    archive.write("model", c10::IValue(nn::state_dict(*lin)));
+    {
+      train::CheckpointQueue queue(/*asynchronous=*/true);
+      queue.write(train::checkpoint_snapshot(archive), out / "a.pt", {});
+      queue.launch();
+      lin->weight.add_(1.0);  // the next step's update, at once
+      queue.wait();
+    }
+    CHECK(torch::equal(model_of(out / "a.pt").at("weight").toTensor(), before));
+    train::CheckpointQueue queue(/*asynchronous=*/true);
+    queue.then([] { throw IoError("cannot write x.pt: No space left"); });
+    CHECK_NOTHROW(queue.launch());
+    CHECK_THROWS_WITH_AS(queue.wait(), doctest::Contains("No space left"),
+                         IoError);
+  }
+
+  TEST_CASE(
+      "asynchronous checkpoints: the same files as synchronous ones (last, "
+      "last-prev, best-k and best.pt), what they cost in summary.json, and a "
+      "resume from them continues bit for bit") {
+    auto d = make_data(64, 20);
+    auto run = [&](const fs::path& out, bool async, int epochs,
+                   const std::string& resume) {
+      torch::manual_seed(3);
+      SingleDeviceTrainer<TinyNet> trainer(TinyNet(), adam(),
+                                           base_options(out, epochs)
+                                               .keep_best(2)
+                                               .async_checkpoints(async)
+                                               .resume(resume)
+                                               .verbose(false));
+      return trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
+                         data::LoaderOptions(16).workers(0));
+    };
+    TempDir sync, async, resumed;
+    run(sync.path(), false, 4, "");
+    run(async.path(), true, 4, "");
+    std::set<std::string> names_sync, names_async;
+    for (const auto& f : fs::directory_iterator(sync / "checkpoints")) {
+      names_sync.insert(f.path().filename().string());
+    }
+    for (const auto& f : fs::directory_iterator(async / "checkpoints")) {
+      names_async.insert(f.path().filename().string());
+    }
+    CHECK(names_sync == names_async);
+    CHECK(names_async.count("best.pt") == 1);
+    for (const auto& name : names_sync) {
+      CAPTURE(name);
+      auto ms = model_of(sync / "checkpoints" / name);
+      auto ma = model_of(async / "checkpoints" / name);
+      for (auto& kv : ms) {
+        CHECK(torch::equal(kv.value().toTensor(), ma.at(kv.key()).toTensor()));
+      }
+    }
+    const std::string summary = read_file(async / "summary.json");
+    CAPTURE(summary);
+    CHECK(summary.find("\"async_checkpoints\": true") != std::string::npos);
+    CHECK(summary.find("\"checkpoint_ms\": {\"blocking\":") !=
+          std::string::npos);
+    CHECK(
+        read_file(sync / "summary.json").find("\"async_checkpoints\": false") !=
+        std::string::npos);
+    // 2 epochs, then resumed to 4, all asynchronous: as the 4 in one go.
+    run(resumed.path(), true, 2, "");
+    run(resumed.path(), true, 4, "auto");
+    auto ma = model_of(async / "checkpoints/last.pt");
+    auto mr = model_of(resumed / "checkpoints/last.pt");
+    for (auto& kv : ma) {
+      CHECK(torch::equal(kv.value().toTensor(), mr.at(kv.key()).toTensor()));
+    }
+  }
+
+  TEST_CASE(
+      "asynchronous checkpoints: kill -9 during a background write leaves "
+      "the previous checkpoint whole, and a resume continues from it") {
+    TempDir dir;
+    auto res = run_workers("trainer_async_kill", 1, dir.str());
+    CHECK_FALSE(res.ok());
+    REQUIRE_MESSAGE(fs::exists(dir / "out" / "killing"),
+                    "the worker never saw a background write in progress");
+    const fs::path ck = dir / "out" / "checkpoints";
+    bool temporary_left = false;
+    for (const auto& f : fs::directory_iterator(ck)) {
+      temporary_left |=
+          f.path().filename().string().rfind("last.pt.tmp-", 0) == 0;
+    }
+    CHECK(temporary_left);  // killed mid-write
+    auto archive = train::open_checkpoint(ck / "last.pt");
+    const auto state = train::TrainingState::load(
+        archive, ck / "last.pt", kColumns, train::Classification::num_sums);
+    CHECK(state.epochs_done >= 1);
+    CHECK(state.epochs_done <= 2);
+  }
 }  // TEST_SUITE("train")

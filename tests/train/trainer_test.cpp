@@ -285,6 +285,56 @@ TrainerOptions bf16_options(const fs::path& out, train::Precision p) {
   return base_options(out, kAccEpochs).lr(kAccLr).verbose(false).precision(p);
 }
 
+/// A classifier of 3×32×32 images whose state (50 MB of weights, twice
+/// that of Adam's moments) takes a while to write: for the test that kills
+/// a process during a background checkpoint.
+struct WideNetImpl : torch::nn::Cloneable<WideNetImpl> {
+  WideNetImpl() {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(3 * 32 * 32, 4096));
+    fc2 = register_module("fc2", torch::nn::Linear(4096, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(WideNet);
+
+/// Kills its own process (SIGKILL, nothing flushed) at the first batch of
+/// the third epoch that finds the second epoch's checkpoint still being
+/// written in the background (its temporary, last.pt.tmp-*, exists),
+/// leaving a file "killing" first.
+struct KillDuringWrite {
+  fs::path dir;
+  void on(const train::BatchEnd& e) {
+    if (e.state.epoch < 2) return;
+    std::error_code ec;
+    for (const auto& f : fs::directory_iterator(dir / "checkpoints", ec)) {
+      if (f.path().filename().string().rfind("last.pt.tmp-", 0) == 0) {
+        std::ofstream(dir / "killing") << e.state.step;
+        ::raise(SIGKILL);
+      }
+    }
+  }
+};
+
+/// Trains WideNet for 4 epochs with asynchronous checkpoints; killed by
+/// KillDuringWrite in the third (exit 3 if it never caught a write).
+DDPKIT_WORKER(trainer_async_kill) {
+  const fs::path out = test::worker_dir() / "out";
+  auto d = make_data(256, 16);
+  torch::manual_seed(1);
+  SingleDeviceTrainer<WideNet> t(
+      WideNet(), adam(),
+      base_options(out, 4).async_checkpoints(true).verbose(false));
+  t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+        data::LoaderOptions(16).workers(0), KillDuringWrite{out});
+  return 3;
+}
+
 /// DDP at world 2, SyncBN, bf16-mixed: batches of 10 per rank. `T_ZERO=1`:
 /// ZeRO-2 instead of DDP.
 DDPKIT_WORKER(trainer_bf16) {

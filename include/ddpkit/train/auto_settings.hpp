@@ -45,6 +45,37 @@ namespace ddpkit::train {
 // `resolve_auto_settings` itself, naming the checkpoint, since the Trainer's
 // own "16-mixed needs a CUDA device" would not say where 16-mixed came from.
 
+/// The settings recorded in the checkpoint a resume (`resume`: a path or
+/// "auto", as TrainerOptions::resume; `out`: the run's folder) would start
+/// from, found as the resume finds it (read_resume_source: for "auto",
+/// last.pt, or last-prev.pt when last.pt is missing or cannot be read).
+/// nullopt when `resume` is empty, there is no such checkpoint, or it
+/// cannot be read (the Trainer's resume then says why). Never throws.
+/// Reads the whole checkpoint (a tool's question; the Trainer asks its
+/// connector, `read_ahead`, whose read the resume then uses).
+inline std::optional<RecordedSettings> recorded_settings(
+    const std::string& resume, const std::filesystem::path& out) noexcept {
+  try {
+    if (resume.empty()) return std::nullopt;
+    std::pair<std::string, std::string> found;
+    auto src = read_resume_source(
+        resume, out,
+        [&](const std::string& bytes, const std::filesystem::path& path) {
+          found =
+              TrainingState::recorded_settings(parse_checkpoint(bytes, path));
+        },
+        /*warn=*/false);
+    if (!src) return std::nullopt;
+    if (resume != "auto") {  // a named file is not checked by the reader
+      found = TrainingState::recorded_settings(
+          parse_checkpoint(src->bytes, src->path));
+    }
+    return RecordedSettings{src->path, found.first, found.second};
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
 /// What `auto_precision` chose, and why in words.
 struct PrecisionChoice {
   Precision precision = Precision::fp32;

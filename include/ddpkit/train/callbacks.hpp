@@ -31,6 +31,7 @@
 #include <concepts>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -110,6 +111,11 @@ class CheckpointWriter {
   /// batches of the running epoch (each rank's generator and the metrics
   /// so far are gathered); rank 0 writes it.
   virtual void write_mid_epoch(const std::filesystem::path& path) = 0;
+  /// Rank 0: runs `fn`, a file operation on checkpoints written before it
+  /// (a link, a removal), after them: at once, or with asynchronous
+  /// checkpoints in their background job. `write` may return before its
+  /// file exists; what needs the file goes here.
+  virtual void then(std::function<void()> fn) = 0;
 
  protected:
   ~CheckpointWriter() = default;
@@ -356,9 +362,10 @@ class ModelCheckpoint {
         if (top.front() == epoch) {
           // best.pt names the same file: a hard link made beside it and
           // renamed over it (a copy where hard links are refused), so
-          // best.pt is always whole.
-          ddpkit::detail::link_or_copy_atomically(epoch_file(epoch),
-                                                  d / "best.pt");
+          // best.pt is always whole; once the file is written.
+          s.checkpoints->then([from = epoch_file(epoch), to = d / "best.pt"] {
+            ddpkit::detail::link_or_copy_atomically(from, to);
+          });
         }
       }
     }
@@ -366,17 +373,19 @@ class ModelCheckpoint {
     // in place: a crash in between leaves one file too many, removed next
     // time). With k = 1 there are none to remove (an earlier run's are left
     // alone).
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(d, ec)) {
-      const std::string name = entry.path().filename().string();
-      int e = 0;
-      char tail = 0;
-      if (std::sscanf(name.c_str(), "best-epoch-%d.p%c", &e, &tail) == 2 &&
-          name == epoch_file(e).filename().string() && k > 1 &&
-          std::find(top.begin(), top.end(), e) == top.end()) {
-        fs::remove(entry.path(), ec);
+    s.checkpoints->then([d, k, top] {
+      std::error_code ec;
+      for (const auto& entry : fs::directory_iterator(d, ec)) {
+        const std::string name = entry.path().filename().string();
+        int e = 0;
+        char tail = 0;
+        if (std::sscanf(name.c_str(), "best-epoch-%d.p%c", &e, &tail) == 2 &&
+            name == "best-epoch-" + std::to_string(e) + ".pt" && k > 1 &&
+            std::find(top.begin(), top.end(), e) == top.end()) {
+          fs::remove(entry.path(), ec);
+        }
       }
-    }
+    });
   }
 
   ModelCheckpointOptions o_;

@@ -146,32 +146,93 @@ class Checkpoint {
   c10::impl::GenericDict dict_;
 };
 
-/// Writes `checkpoint` to `path` atomically and durably (a unique
-/// temporary, every write checked, fsync, rename: detail/atomic_file.hpp).
-/// Readers see the old file or the new one, never a partial one; a failed
-/// write (disk full, I/O error) leaves the old file and throws `IoError`.
-/// With `keep_previous`, the old `path` is kept under that name.
-/// See Note [Checkpoint durability] (checkpoint_connector.hpp).
-inline void atomic_save(const Checkpoint& checkpoint,
-                        const std::filesystem::path& path,
-                        const std::filesystem::path& keep_previous = {}) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::create_directories(path.parent_path(), ec);
-  if (ec) {
-    throw UsageError(ddpkit::detail::cat("cannot create folder ",
-                                         path.parent_path().string(), ": ",
-                                         ec.message()));
-  }
-  std::string bytes;
+// Note [Checkpoint durability]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A checkpoint is never half written and never lost to the next one: rank 0
+// writes it to a unique temporary, checks every write, fsyncs and renames
+// (atomic_save, detail/atomic_file.hpp), so readers see the old file or the
+// new one; `last.pt`'s predecessor stays as `last-prev.pt` until the new
+// one is durable, and `--resume auto` falls back to it when `last.pt` is
+// missing or damaged (read_resume_source). A checkpoint never holds
+// non-finite weights (CheckpointConnector::save refuses, naming the tensor),
+// so a run that diverged cannot overwrite the last good state. Only rank 0
+// reads the file on resume and sends its bytes: on a second host without a
+// shared filesystem the other ranks have none, and every rank parses the
+// same bytes, so all resume, start fresh or fail alike.
+
+/// `checkpoint` as the bytes of a file Python's `torch.load` reads (`path`:
+/// the file they are for, named in the error when they cannot be made).
+inline std::string checkpoint_bytes(const Checkpoint& checkpoint,
+                                    const std::filesystem::path& path) {
   try {
-    bytes = ddpkit::compat::save_for_python(c10::IValue(checkpoint.dict()));
+    return ddpkit::compat::save_for_python(c10::IValue(checkpoint.dict()));
   } catch (const c10::Error& e) {
     throw UsageError(ddpkit::detail::cat("cannot write checkpoint ",
                                          path.string(), ": ",
                                          e.what_without_backtrace()));
   }
+}
+
+/// Writes a checkpoint's `bytes` to `path` as atomic_save does (its folder
+/// made first).
+inline void write_checkpoint_bytes(
+    const std::string& bytes, const std::filesystem::path& path,
+    const std::filesystem::path& keep_previous = {}) {
+  std::error_code ec;
+  std::filesystem::create_directories(path.parent_path(), ec);
+  if (ec) {
+    throw UsageError(ddpkit::detail::cat("cannot create folder ",
+                                         path.parent_path().string(), ": ",
+                                         ec.message()));
+  }
   ddpkit::detail::write_atomically(path, bytes, keep_previous);
+}
+
+/// A copy of `v` that shares nothing with training: every tensor in it
+/// (in dicts and lists too) copied to new host memory, values, dtype and
+/// strides kept. What an asynchronous checkpoint writes from.
+inline c10::IValue host_snapshot(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const torch::Tensor& t = v.toTensor();
+    if (!t.defined()) return v;
+    return t.detach().to(torch::kCPU, t.scalar_type(), /*non_blocking=*/false,
+                         /*copy=*/true);
+  }
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    c10::impl::GenericDict out(d.keyType(), d.valueType());
+    for (const auto& kv : d) out.insert(kv.key(), host_snapshot(kv.value()));
+    return out;
+  }
+  if (v.isList()) {
+    const auto l = v.toList();
+    c10::impl::GenericList out(l.elementType());
+    for (std::size_t i = 0; i < l.size(); ++i) {
+      out.push_back(host_snapshot(l.get(i)));
+    }
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> e;
+    for (const auto& x : v.toTupleRef().elements()) {
+      e.push_back(host_snapshot(x));
+    }
+    return c10::ivalue::Tuple::create(std::move(e));
+  }
+  return v;  // numbers, strings, None: immutable
+}
+
+/// Writes `checkpoint` to `path` atomically and durably (a unique
+/// temporary, every write checked, fsync, rename: detail/atomic_file.hpp).
+/// Readers see the old file or the new one, never a partial one; a failed
+/// write (disk full, I/O error) leaves the old file and throws `IoError`.
+/// With `keep_previous`, the old `path` is kept under that name.
+/// See Note [Checkpoint durability].
+inline void atomic_save(const Checkpoint& checkpoint,
+                        const std::filesystem::path& path,
+                        const std::filesystem::path& keep_previous = {}) {
+  write_checkpoint_bytes(checkpoint_bytes(checkpoint, path), path,
+                         keep_previous);
 }
 
 /// Reads a checkpoint, turning every problem into a UsageError that names

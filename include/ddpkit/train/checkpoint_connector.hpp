@@ -8,7 +8,7 @@
 // a damaged last.pt to last-prev.pt); every compatibility check of a resume
 // (world size, seed, data, task, precision, layout) is here; and the
 // Trainer's save and resume (mid-epoch state included) are
-// `CheckpointConnector`'s. See Note [Checkpoint durability].
+// `CheckpointConnector`'s. See Note [Checkpoint durability] (checkpoint.hpp).
 //
 // Reading a checkpoint from C++ (a run's `checkpoints/last.pt` or
 // `best.pt`):
@@ -23,11 +23,14 @@
 // optimizer). Python reads the same file with `torch.load(path)`.
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -46,10 +49,12 @@
 #include "ddpkit/parallel/module_utils.hpp"
 #include "ddpkit/train/callbacks.hpp"
 #include "ddpkit/train/checkpoint.hpp"
+#include "ddpkit/train/checkpoint_queue.hpp"
 #include "ddpkit/train/metrics.hpp"
 #include "ddpkit/train/options.hpp"
 #include "ddpkit/train/resume_source.hpp"
 #include "ddpkit/train/run_folder.hpp"
+#include "ddpkit/train/run_summary.hpp"
 
 namespace ddpkit::train {
 
@@ -75,20 +80,6 @@ namespace ddpkit::train {
 // the same world size. The TensorBoard events so far are flushed after it, so
 // a resume from it logs each step once. The resumed epoch's images/s count
 // only the images trained after the checkpoint (tested: 32 of 64).
-
-// Note [Checkpoint durability]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A checkpoint is never half written and never lost to the next one: rank 0
-// writes it to a unique temporary, checks every write, fsyncs and renames
-// (atomic_save, detail/atomic_file.hpp), so readers see the old file or the
-// new one; `last.pt`'s predecessor stays as `last-prev.pt` until the new
-// one is durable, and `--resume auto` falls back to it when `last.pt` is
-// missing or damaged (read_resume_source). A checkpoint never holds
-// non-finite weights (CheckpointConnector::save refuses, naming the tensor),
-// so a run that diverged cannot overwrite the last good state. Only rank 0
-// reads the file on resume and sends its bytes: on a second host without a
-// shared filesystem the other ranks have none, and every rank parses the
-// same bytes, so all resume, start fresh or fail alike.
 
 /// Every key of a Trainer's checkpoint, written and read here alone: the
 /// format, the model, the optimizer, where the run stands, the history, the
@@ -299,43 +290,6 @@ struct TrainingState {
   }
 };
 
-/// The precision and memory format a checkpoint was written with ("" for
-/// each it does not record: checkpoints before them), and its path.
-struct RecordedSettings {
-  std::filesystem::path path;
-  std::string precision, memory_format;
-};
-
-/// The settings recorded in the checkpoint a resume (`resume`: a path or
-/// "auto", as TrainerOptions::resume; `out`: the run's folder) would start
-/// from, found as the resume finds it (read_resume_source: for "auto",
-/// last.pt, or last-prev.pt when last.pt is missing or cannot be read).
-/// nullopt when `resume` is empty, there is no such checkpoint, or it
-/// cannot be read (the Trainer's resume then says why). Never throws.
-/// Reads the whole checkpoint (the Trainer reads it again to resume).
-inline std::optional<RecordedSettings> recorded_settings(
-    const std::string& resume, const std::filesystem::path& out) noexcept {
-  try {
-    if (resume.empty()) return std::nullopt;
-    std::pair<std::string, std::string> found;
-    auto src = read_resume_source(
-        resume, out,
-        [&](const std::string& bytes, const std::filesystem::path& path) {
-          found =
-              TrainingState::recorded_settings(parse_checkpoint(bytes, path));
-        },
-        /*warn=*/false);
-    if (!src) return std::nullopt;
-    if (resume != "auto") {  // a named file is not checked by the reader
-      found = TrainingState::recorded_settings(
-          parse_checkpoint(src->bytes, src->path));
-    }
-    return RecordedSettings{src->path, found.first, found.second};
-  } catch (...) {
-    return std::nullopt;
-  }
-}
-
 /// A stateful callback as the checkpoint sees it.
 struct CallbackState {
   std::string key;  ///< "callbacks/<name>"
@@ -433,14 +387,68 @@ class CheckpointConnector {
     t.epoch_batches_done = mid_.batches_done;
     t.epoch_sums = mid_.sums;
     t.rng_ranks = mid_.rng;
-    require_finite_weights(*target_.module, path);
-    Checkpoint archive;
-    t.save(archive, *target_.module, *target_.optimizer);
-    for (const auto& c : callbacks_) archive.write(c.key, c.save());
+    const auto t0 = std::chrono::steady_clock::now();
     const std::filesystem::path out(options_.out_dir());
-    atomic_save(archive, path,
-                path == last_checkpoint(out) ? previous_checkpoint(out)
-                                             : std::filesystem::path());
+    const std::filesystem::path keep = path == last_checkpoint(out)
+                                           ? previous_checkpoint(out)
+                                           : std::filesystem::path();
+    // The same state written to a second file in one event (last.pt, then
+    // best.pt): one snapshot, serialised once.
+    const std::array<std::int64_t, 3> state{s.global_step, epochs_done,
+                                            mid_.batches_done};
+    std::shared_ptr<const Checkpoint> archive;
+    if (queue_.asynchronous() && state == queued_state_) {
+      archive = queue_.pending_archive();
+    }
+    if (!archive) {
+      require_finite_weights(*target_.module, path);
+      auto a = std::make_shared<Checkpoint>();
+      t.save(*a, *target_.module, *target_.optimizer);
+      for (const auto& c : callbacks_) a->write(c.key, c.save());
+      // Note [Asynchronous checkpoints]: a copy, never a view.
+      archive = queue_.asynchronous() ? checkpoint_snapshot(*a) : std::move(a);
+      queued_state_ = state;
+    }
+    queue_.write(std::move(archive), path, keep);
+    ++checkpoints_written_;
+    blocking_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count();
+  }
+
+  /// Runs `fn`, a file operation on checkpoints written before it: now, or
+  /// (asynchronous checkpoints) after them, in the same background job.
+  void then(std::function<void()> fn) {
+    queue_.then(std::move(fn));
+  }
+
+  /// At the end of an event: the checkpoints it queued start being written
+  /// in the background (after the previous ones; asynchronous only).
+  void launch() {
+    blocking_seconds_ += queue_.launch();
+    queued_state_ = {-1, -1, -1};
+  }
+
+  /// At a fit's end: every checkpoint written; a background error rethrown.
+  void finish() {
+    launch();
+    blocking_seconds_ += queue_.wait();
+  }
+
+  /// Leaving a fit by an exception: the checkpoints queued and running are
+  /// written whole (their errors on stderr).
+  void finish_quietly() noexcept {
+    queue_.wait_quietly();
+    queued_state_ = {-1, -1, -1};
+  }
+
+  /// What checkpoints cost this Trainer so far (summary.json's
+  /// checkpoint_ms): the training thread's time on them (writing them, or
+  /// with asynchronous checkpoints snapshotting them and waiting for the
+  /// previous), the background's, and how many files.
+  FitResult::Checkpoints summary() const {
+    return {queue_.asynchronous(), blocking_seconds_ * 1e3,
+            queue_.background_seconds() * 1e3, checkpoints_written_};
   }
 
   /// Every rank, at the same step: the epoch's metrics so far over all
@@ -741,6 +749,12 @@ class CheckpointConnector {
   dist::Group group_;
   TrainerOptions options_;
   std::optional<ResumeRead> ahead_;  ///< rank 0: read_ahead's, until resume
+  CheckpointQueue queue_{options_.async_checkpoints()};
+  /// (global step, epochs done, batches done) of the snapshot queued last
+  /// in the current event.
+  std::array<std::int64_t, 3> queued_state_{-1, -1, -1};
+  double blocking_seconds_ = 0;
+  std::int64_t checkpoints_written_ = 0;
   int rank_ = 0, world_ = 1;
   std::vector<std::string> columns_;
   std::size_t num_sums_ = 0;

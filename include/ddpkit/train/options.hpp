@@ -8,6 +8,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include <torch/torch.h>
 
@@ -300,10 +301,33 @@ struct TrainerOptions {
   /// Every this many batches (counted over the whole run, resumes
   /// included) rank 0 logs its batch loss as train/loss_step (0: never).
   TORCH_ARG(int, log_every_n_steps) = 50;
+  /// Rank 0 writes checkpoints in the background: the step blocks only
+  /// while the state is copied to host memory (a second copy of the model
+  /// and optimizer state while a write runs); one write at a time, each
+  /// atomic as before. See Note [Asynchronous checkpoints].
+  TORCH_ARG(bool, async_checkpoints) = false;
 
  private:
   MemoryFormat memory_format_ = MemoryFormat::contiguous;
 };
+
+/// The training set's sampler for rank `rank` of `world` over `n` samples
+/// as `o` describes it (seed, drop_last, and for DistributedSampling its
+/// options, TrainerOptions::sampling).
+template <class Sampler>
+Sampler training_sampler(const TrainerOptions& o, std::size_t n, int rank,
+                         int world) {
+  const data::ShardSpec spec{.rank = rank,
+                             .world_size = world,
+                             .seed = o.seed(),
+                             .drop_last = o.drop_last()};
+  if constexpr (std::is_constructible_v<Sampler, std::size_t, data::ShardSpec,
+                                        data::DistributedSamplingOptions>) {
+    return Sampler(n, spec, o.sampling());
+  } else {
+    return Sampler(n, spec);
+  }
+}
 
 /// Throws a UsageError naming the first option with a bad value (or two
 /// that cannot be combined).

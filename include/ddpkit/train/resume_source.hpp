@@ -2,7 +2,7 @@
 // Where a resume starts from: `--resume PATH|auto` resolved to a file and
 // read whole, once, on rank 0 (the checkpoint connector's, and the
 // Trainer's for `automatic` settings before the engine is built: the same
-// read serves both). See Note [Checkpoint durability].
+// read serves both). See Note [Checkpoint durability] (checkpoint.hpp).
 #pragma once
 
 #include <cstdio>
@@ -75,6 +75,13 @@ inline std::optional<ResumeSource> read_resume_source(
   check(src.bytes, src.path);
   return src;
 }
+
+/// The precision and memory format a checkpoint was written with ("" for
+/// each it does not record: checkpoints before them), and its path.
+struct RecordedSettings {
+  std::filesystem::path path;
+  std::string precision, memory_format;
+};
 
 /// Rank 0's read of the checkpoint a resume starts from, kept so the file
 /// is opened and parsed once per fit even when the Trainer needs its

@@ -60,6 +60,15 @@ struct FitResult {
     /// resident peaks run from each process's start.
     bool peaks_per_step = true;
   } memory;
+  /// What checkpoints cost rank 0 over the fit: milliseconds the training
+  /// thread spent on them (the whole write; with asynchronous checkpoints
+  /// the snapshot and any wait for the previous write), milliseconds of
+  /// background writing, and the files written.
+  struct Checkpoints {
+    bool asynchronous = false;
+    double blocking_ms = 0, background_ms = 0;
+    std::int64_t written = 0;
+  } checkpoints;
 };
 
 /// The task's metrics over a dataset, the same on every rank.
@@ -168,6 +177,14 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
               detail::json_array(r.memory.device_peak));
     }
     j.raw("memory_bytes_per_rank", mem.compact());
+  }
+  if (r.checkpoints.written > 0) {
+    ddpkit::detail::JsonObject ck;
+    ck.add("blocking", r.checkpoints.blocking_ms)
+        .add("background", r.checkpoints.background_ms);
+    j.raw("checkpoint_ms", ck.compact())
+        .add("checkpoints_written", static_cast<long>(r.checkpoints.written))
+        .add("async_checkpoints", r.checkpoints.asynchronous);
   }
   // Rank 0's step time by phase, ms per step (StepTimes).
   if (r.step_times.steps > 0) j.raw("step_ms", r.step_times.json());

@@ -176,6 +176,7 @@ class Trainer : private CheckpointWriter {
       std::apply(
           [&](auto&... b) { train::emit(event, early, callbacks..., b...); },
           after_user);
+      checkpoints_.launch();  // what the event queued (asynchronous only)
     };
     FitScope scope(*this, callbacks...);
     FitState& s = scope.state;
@@ -191,7 +192,8 @@ class Trainer : private CheckpointWriter {
                              });
     }
     ddpkit::detail::ScopeExit unwatch([&] { group_.watch_interrupt({}, {}); });
-    Sampler sampler = make_sampler(train.size(), s.world);
+    auto sampler =
+        training_sampler<Sampler>(options_, train.size(), rank(), s.world);
     data::Loader loader(train, train_transform, lo);
     emit(FitBegin{s});
     for (; s.epoch < s.epochs && !s.stop; ++s.epoch) {
@@ -369,6 +371,7 @@ class Trainer : private CheckpointWriter {
       t.fit_ = &state;
     }
     ~FitScope() {
+      trainer.checkpoints_.finish_quietly();  // written whole, even if failing
       trainer.fit_ = nullptr;
       trainer.checkpoints_.set_callbacks({});
     }
@@ -488,21 +491,6 @@ class Trainer : private CheckpointWriter {
     return batches;
   }
 
-  /// The training set's sampler for this rank (DistributedSampling with
-  /// TrainerOptions::sampling).
-  Sampler make_sampler(std::size_t n, int world) const {
-    const data::ShardSpec spec{.rank = rank(),
-                               .world_size = world,
-                               .seed = options_.seed(),
-                               .drop_last = options_.drop_last()};
-    if constexpr (std::is_constructible_v<Sampler, std::size_t, data::ShardSpec,
-                                          data::DistributedSamplingOptions>) {
-      return Sampler(n, spec, options_.sampling());
-    } else {
-      return Sampler(n, spec);
-    }
-  }
-
   /// The step's view of this Trainer (train_step, step.hpp).
   StepContext<engine_type, Task> step_context() {
     return {
@@ -541,10 +529,12 @@ class Trainer : private CheckpointWriter {
   }
 
   FitResult finish_fit(FitState& s, clock::time_point fit_start) {
+    checkpoints_.finish();  // every checkpoint on disk, or its error here
     FitResult result = fit_result(
         s, std::chrono::duration<double>(clock::now() - fit_start).count());
     result.memory = measure_memory(engine_, optimizer_.get(), step_memory_,
                                    multi() ? &group_ : nullptr);
+    result.checkpoints = checkpoints_.summary();
     if (is_main()) write_summary(result, nullptr);
     return result;
   }
@@ -556,6 +546,9 @@ class Trainer : private CheckpointWriter {
   void write_mid_epoch(const std::filesystem::path& path) override {
     prepare_checkpoint();
     checkpoints_.save_mid_epoch(path, *fit_);
+  }
+  void then(std::function<void()> fn) override {
+    checkpoints_.then(std::move(fn));
   }
 
   /// Every rank, before rank 0 writes a checkpoint: an engine that shards
