@@ -397,9 +397,7 @@ class CheckpointConnector {
     const std::array<std::int64_t, 3> state{s.global_step, epochs_done,
                                             mid_.batches_done};
     std::shared_ptr<const Checkpoint> archive;
-    if (queue_.asynchronous() && state == queued_state_) {
-      archive = queue_.pending_archive();
-    }
+    if (state == queued_state_) archive = queue_.latest_archive();
     if (!archive) {
       require_finite_weights(*target_.module, path);
       auto a = std::make_shared<Checkpoint>();
@@ -750,8 +748,8 @@ class CheckpointConnector {
   TrainerOptions options_;
   std::optional<ResumeRead> ahead_;  ///< rank 0: read_ahead's, until resume
   CheckpointQueue queue_{options_.async_checkpoints()};
-  /// (global step, epochs done, batches done) of the snapshot queued last
-  /// in the current event.
+  /// (global step, epochs done, batches done) of the archive written or
+  /// queued last in the current event.
   std::array<std::int64_t, 3> queued_state_{-1, -1, -1};
   double blocking_seconds_ = 0;
   std::int64_t checkpoints_written_ = 0;

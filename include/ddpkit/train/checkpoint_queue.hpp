@@ -40,7 +40,8 @@ namespace ddpkit::train {
 // thread at the next launch or at the fit's end, naming the file; the
 // previous files are intact. Cost: a second copy of the model and optimizer
 // state in host memory while a job runs. Without the option every write
-// and operation happens at once, as before.
+// and operation happens at once, as before. Either way the same state
+// written to two files in one event is serialised once.
 
 /// A snapshot of `archive` for a background write: every entry copied by
 /// host_snapshot (nothing shared with training), except "optimizer", which
@@ -75,11 +76,10 @@ class CheckpointQueue {
   /// snapshots (no tensor shared with training).
   void write(std::shared_ptr<const Checkpoint> archive,
              std::filesystem::path path, std::filesystem::path keep_previous) {
+    latest_ = archive;
     Step s{std::move(archive), std::move(path), std::move(keep_previous), {}};
     if (!async_) {
-      std::shared_ptr<const Checkpoint> last;
-      std::string bytes;
-      run(s, last, bytes);
+      run(s, serialised_, bytes_);
       return;
     }
     queued_.push_back(std::move(s));
@@ -95,18 +95,19 @@ class CheckpointQueue {
     queued_.push_back(Step{nullptr, {}, {}, std::move(fn)});
   }
 
-  /// The archive queued last and not yet launched (to write the same
-  /// snapshot to a second file), or null.
-  std::shared_ptr<const Checkpoint> pending_archive() const {
-    for (auto it = queued_.rbegin(); it != queued_.rend(); ++it) {
-      if (it->archive) return it->archive;
-    }
-    return nullptr;
+  /// The archive written (or queued) last since the last `launch`, to write
+  /// the same state to a second file (serialised once), or null.
+  std::shared_ptr<const Checkpoint> latest_archive() const {
+    return latest_;
   }
 
-  /// Starts what was queued as one background job, after the previous job
-  /// ends (its error rethrown here). Returns the seconds it waited.
+  /// At the end of an event: starts what was queued as one background job,
+  /// after the previous job ends (its error rethrown here), and forgets the
+  /// event's archive. Returns the seconds it waited.
   double launch() {
+    latest_.reset();
+    serialised_.reset();
+    bytes_ = std::string();
     if (queued_.empty()) return 0;
     const double waited = wait();
     auto steps = std::make_shared<std::vector<Step>>(std::move(queued_));
@@ -183,6 +184,11 @@ class CheckpointQueue {
   }
 
   bool async_;
+  std::shared_ptr<const Checkpoint> latest_;  ///< since the last launch
+  /// Synchronous writes: the archive serialised last and its bytes, until
+  /// the next launch.
+  std::shared_ptr<const Checkpoint> serialised_;
+  std::string bytes_;
   std::vector<Step> queued_;
   std::thread thread_;
   std::exception_ptr error_;  ///< the running job's, read after join
