@@ -11,8 +11,11 @@ Each round runs the example three ways (the built-in synthetic flowers at
   sync   --checkpoint-every N: the step writes last.pt itself,
   async  --checkpoint-every N --async-checkpoint: the step copies the
          state, a background thread writes it.
-From each summary.json it takes checkpoint_ms (blocking, background, per
-checkpoint) and step_ms.total (ms per training step, rank 0), and prints
+From each summary.json it takes checkpoint_ms (blocking: the training
+thread's time on checkpoints while training; background; drain: the fit's
+end waiting for the last background write, reported apart as it stalls no
+step; each per checkpoint file) and step_ms.total (ms per training step,
+rank 0), and prints
 min/median/max over the rounds with the ratios that matter: async's
 blocking time over its background write (target <= 0.10) and async's
 step over none's (steps overlapping a background write; target <= 1.3).
@@ -66,6 +69,7 @@ def main():
                     "step_ms": s["step_ms"]["total"],
                     "blocking_ms": ck.get("blocking", 0) / n,
                     "background_ms": ck.get("background", 0) / n,
+                    "drain_ms": ck.get("drain", 0),
                     "written": s.get("checkpoints_written", 0),
                 })
                 print(f"round {r + 1} {m}: {rows[m][-1]}", flush=True)
@@ -79,7 +83,8 @@ def main():
         print(f"{m:5s} step ms {stat([x['step_ms'] for x in rows[m]])}; "
               f"per checkpoint: blocking ms "
               f"{stat([x['blocking_ms'] for x in rows[m]])}, background ms "
-              f"{stat([x['background_ms'] for x in rows[m]])}; files "
+              f"{stat([x['background_ms'] for x in rows[m]])}; drain at "
+              f"the end ms {stat([x['drain_ms'] for x in rows[m]])}; files "
               f"{rows[m][0]['written']}")
     ratio_block = [x["blocking_ms"] / x["background_ms"]
                    for x in rows["async"] if x["background_ms"] > 0]

@@ -489,6 +489,105 @@ TEST_SUITE("train") {
   }
 
   TEST_CASE(
+      "asynchronous checkpoint: the optimizer's state is copied, not "
+      "serialised, while training waits, and the file holds the snapshot's "
+      "state, not a step made right after it") {
+    TempDir out;
+    torch::manual_seed(2);
+    torch::nn::Linear lin(64, 64);
+    auto step = [&](torch::optim::Optimizer& opt) {
+      opt.zero_grad();
+      lin(torch::randn({8, 64})).square().mean().backward();
+      opt.step();
+    };
+    // The state each optimizer holds at the snapshot, as bytes made then,
+    // and as the file holds it after one more step; loaded into fresh
+    // optimizers of the same type and compared entry by entry.
+    auto check =
+        [&](torch::optim::Optimizer& opt,
+            std::function<std::unique_ptr<torch::optim::Optimizer>()> fresh) {
+          step(opt);
+          step(opt);
+          const torch::Tensor at_snapshot = train::optimizer_bytes(opt);
+          train::Checkpoint archive;
+          archive.write_later("optimizer",
+                              [make = train::optimizer_snapshot(opt)] {
+                                return c10::IValue(make());
+                              });
+          train::CheckpointQueue queue(/*asynchronous=*/true);
+          queue.write(train::checkpoint_snapshot(archive), out / "o.pt", {});
+          queue.launch();
+          step(opt);  // the next step, at once
+          queue.wait();
+          auto file = train::open_checkpoint(out / "o.pt");
+          auto expected = fresh(), saved = fresh();
+          train::Checkpoint then;
+          then.write("optimizer", at_snapshot);
+          train::load_optimizer_checked(*expected, then, "then");
+          train::load_optimizer_checked(*saved, file, out / "o.pt");
+          REQUIRE(saved->state().size() == expected->state().size());
+          REQUIRE(saved->state().size() == 2);
+          for (const auto& p : lin->parameters()) {
+            const auto key = ddpkit::compat::optimizer_state_key(p);
+            const auto &a = *saved->state().at(key),
+                       &b = *expected->state().at(key);
+            torch::serialize::OutputArchive x, y;
+            a.serialize(x);
+            b.serialize(y);
+            std::ostringstream xs, ys;
+            x.save_to(xs);
+            y.save_to(ys);
+            CHECK(xs.str() == ys.str());  // the snapshot's state, bit for bit
+            // ... which the step after it changed.
+            torch::serialize::OutputArchive z;
+            opt.state().at(key)->serialize(z);
+            std::ostringstream zs;
+            z.save_to(zs);
+            CHECK(zs.str() != xs.str());
+          }
+        };
+    torch::optim::SGD sgd(lin->parameters(),
+                          torch::optim::SGDOptions(0.1).momentum(0.9));
+    check(sgd, [&] {
+      return std::make_unique<torch::optim::SGD>(
+          lin->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    });
+    parallel::ForeachAdamW adamw(lin->parameters(),
+                                 torch::optim::AdamWOptions(1e-2));
+    check(adamw, [&] {
+      return std::make_unique<torch::optim::AdamW>(
+          lin->parameters(), torch::optim::AdamWOptions(1e-2));
+    });
+  }
+
+  TEST_CASE(
+      "checkpoints: a non-finite buffer is refused, naming it, and the "
+      "previous last.pt stays; asynchronous checkpoints check in the "
+      "background") {
+    auto d = make_data(64, 20);
+    for (const bool async : {false, true}) {
+      CAPTURE(async);
+      TempDir out;
+      torch::manual_seed(3);
+      // 4 batches an epoch: the odometer turns NaN in epoch 2.
+      SingleDeviceTrainer<OdometerNet> trainer(
+          OdometerNet(6), adam(),
+          base_options(out.path(), 3).async_checkpoints(async).verbose(false));
+      CHECK_THROWS_WITH_AS(
+          trainer.fit(d.train, d.val, data::CifarTrain{}, data::CifarEval{},
+                      data::LoaderOptions(16).workers(0)),
+          doctest::Contains("last.pt: buffer 'odometer' holds non-finite "
+                            "values"),
+          NonFiniteError);
+      const auto last = out / "checkpoints" / "last.pt";
+      auto archive = train::open_checkpoint(last);
+      const auto state = train::TrainingState::load(
+          archive, last, kColumns, train::Classification::num_sums);
+      CHECK(state.epochs_done == 1);
+    }
+  }
+
+  TEST_CASE(
       "asynchronous checkpoints: the same files as synchronous ones (last, "
       "last-prev, best-k and best.pt), what they cost in summary.json, and a "
       "resume from them continues bit for bit") {
@@ -529,6 +628,9 @@ TEST_SUITE("train") {
     CAPTURE(summary);
     CHECK(summary.find("\"async_checkpoints\": true") != std::string::npos);
     CHECK(summary.find("\"checkpoint_ms\": {\"blocking\":") !=
+          std::string::npos);
+    CHECK(summary.find("\"drain\":") != std::string::npos);
+    CHECK(read_file(sync / "summary.json").find("\"drain\"") ==
           std::string::npos);
     CHECK(
         read_file(sync / "summary.json").find("\"async_checkpoints\": false") !=

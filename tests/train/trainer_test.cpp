@@ -56,6 +56,30 @@ struct TinyNetImpl : torch::nn::Cloneable<TinyNetImpl> {
 };
 TORCH_MODULE(TinyNet);
 
+/// TinyNet with a buffer, "odometer", that turns NaN at the `nan_at`-th
+/// training forward; the loss never reads it, so only the checkpoint's
+/// check that no weight is non-finite sees it.
+struct OdometerNetImpl : torch::nn::Cloneable<OdometerNetImpl> {
+  explicit OdometerNetImpl(int64_t nan_at = 0) : nan_at(nan_at) {
+    reset();
+  }
+  void reset() override {
+    net = register_module("net", TinyNet(8, 0.0));
+    odometer = register_buffer("odometer", torch::zeros({1}));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    if (is_training() && ++calls == nan_at) {
+      odometer.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
+    return net(x);
+  }
+  int64_t nan_at;
+  int64_t calls = 0;
+  TinyNet net{nullptr};
+  torch::Tensor odometer;
+};
+TORCH_MODULE(OdometerNet);
+
 /// TinyNet with 16 channels and no dropout: a step over the whole set is
 /// the same on any number of ranks (SyncBN under DDP).
 TinyNet conv_bn() {

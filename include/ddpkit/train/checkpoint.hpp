@@ -17,11 +17,13 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iomanip>
 #include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -78,6 +80,22 @@ inline constexpr const char* kCheckpointFormat = "ddpkit.checkpoint";
 /// 2 and 3 still load.
 inline constexpr std::int64_t kCheckpointVersion = 4;
 
+/// `optimizer`'s state as a checkpoint stores it: libtorch's own archive,
+/// as a uint8 tensor.
+inline torch::Tensor optimizer_bytes(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  std::string bytes;
+  archive.save_to([&](const void* data, std::size_t n) {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  auto t =
+      torch::empty({static_cast<std::int64_t>(bytes.size())}, torch::kUInt8);
+  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
 /// A checkpoint's contents: named values (tensors, numbers, strings, and
 /// dicts or lists of them), in the order they were written.
 class Checkpoint {
@@ -98,17 +116,27 @@ class Checkpoint {
   }
   /// The optimizer's state, in libtorch's own format, under "optimizer".
   void write_optimizer(const torch::optim::Optimizer& optimizer) {
-    torch::serialize::OutputArchive archive;
-    optimizer.save(archive);
-    std::string bytes;
-    archive.save_to([&](const void* data, std::size_t n) {
-      bytes.append(static_cast<const char*>(data), n);
-      return n;
-    });
-    auto t =
-        torch::empty({static_cast<std::int64_t>(bytes.size())}, torch::kUInt8);
-    if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-    write("optimizer", t);
+    write("optimizer", optimizer_bytes(optimizer));
+  }
+  /// An entry whose value `make` gives when the checkpoint is serialised
+  /// (an asynchronous checkpoint's optimizer state, from a copy taken now);
+  /// it keeps this place in the order.
+  void write_later(const std::string& key, std::function<c10::IValue()> make) {
+    write(key, c10::IValue());
+    later_.emplace_back(key, std::move(make));
+  }
+  /// The entries written by `write_later`.
+  const std::vector<std::pair<std::string, std::function<c10::IValue()>>>&
+  later() const {
+    return later_;
+  }
+  /// This checkpoint with the entries written later made (itself when it
+  /// has none).
+  Checkpoint made() const {
+    if (later_.empty()) return *this;
+    Checkpoint m(dict_.copy());
+    for (const auto& [key, make] : later_) m.write(key, make());
+    return m;
   }
   bool try_read(const std::string& key, c10::IValue& out) const {
     const auto it = dict_.find(key);
@@ -144,6 +172,7 @@ class Checkpoint {
 
  private:
   c10::impl::GenericDict dict_;
+  std::vector<std::pair<std::string, std::function<c10::IValue()>>> later_;
 };
 
 // Note [Checkpoint durability]
@@ -165,7 +194,8 @@ class Checkpoint {
 inline std::string checkpoint_bytes(const Checkpoint& checkpoint,
                                     const std::filesystem::path& path) {
   try {
-    return ddpkit::compat::save_for_python(c10::IValue(checkpoint.dict()));
+    return ddpkit::compat::save_for_python(
+        c10::IValue(checkpoint.made().dict()));
   } catch (const c10::Error& e) {
     throw UsageError(ddpkit::detail::cat("cannot write checkpoint ",
                                          path.string(), ": ",

@@ -33,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,6 +52,7 @@
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/checkpoint_queue.hpp"
 #include "ddpkit/train/metrics.hpp"
+#include "ddpkit/train/optimizer_snapshot.hpp"
 #include "ddpkit/train/options.hpp"
 #include "ddpkit/train/resume_source.hpp"
 #include "ddpkit/train/run_folder.hpp"
@@ -126,11 +128,20 @@ struct TrainingState {
   torch::Tensor epoch_sums;  ///< [loss sum, samples, task sums...]
   torch::Tensor rng_ranks;   ///< [world, state]: every rank's generator
 
+  /// `optimizer_later`: the optimizer's state copied now and serialised
+  /// when the archive is (optimizer_snapshot), for an asynchronous write.
   void save(Checkpoint& archive, const torch::nn::Module& model,
-            const torch::optim::Optimizer& optimizer) const {
+            const torch::optim::Optimizer& optimizer,
+            bool optimizer_later = false) const {
     archive.stamp();
     archive.write("model", c10::IValue(nn::state_dict(model)));
-    archive.write_optimizer(optimizer);
+    if (optimizer_later) {
+      archive.write_later("optimizer", [make = optimizer_snapshot(optimizer)] {
+        return c10::IValue(make());
+      });
+    } else {
+      archive.write_optimizer(optimizer);
+    }
     archive.write("epochs_done", static_cast<std::int64_t>(epochs_done));
     archive.write("best", best);
     archive.write("best_epoch", static_cast<std::int64_t>(best_epoch));
@@ -399,12 +410,26 @@ class CheckpointConnector {
     std::shared_ptr<const Checkpoint> archive;
     if (state == queued_state_) archive = queue_.latest_archive();
     if (!archive) {
-      require_finite_weights(*target_.module, path);
+      const bool async = queue_.asynchronous();
+      if (!async) require_finite_weights(*target_.module, path);
       auto a = std::make_shared<Checkpoint>();
-      t.save(*a, *target_.module, *target_.optimizer);
+      t.save(*a, *target_.module, *target_.optimizer, async);
       for (const auto& c : callbacks_) a->write(c.key, c.save());
-      // Note [Asynchronous checkpoints]: a copy, never a view.
-      archive = queue_.asynchronous() ? checkpoint_snapshot(*a) : std::move(a);
+      if (async) {
+        // Note [Asynchronous checkpoints]: a copy, never a view, checked
+        // in the background before it is written.
+        auto snap = checkpoint_snapshot(*a);
+        std::set<std::string> buffers;
+        for (const auto& kv : target_.module->named_buffers()) {
+          buffers.insert(kv.key());
+        }
+        queue_.then([snap, path, buffers] {
+          require_finite_snapshot(*snap, path, buffers);
+        });
+        archive = std::move(snap);
+      } else {
+        archive = std::move(a);
+      }
       queued_state_ = state;
     }
     queue_.write(std::move(archive), path, keep);
@@ -428,9 +453,11 @@ class CheckpointConnector {
   }
 
   /// At a fit's end: every checkpoint written; a background error rethrown.
+  /// The wait for the last background write is the fit's drain, not a
+  /// training stall: summary.json reports it apart (checkpoint_ms.drain).
   void finish() {
     launch();
-    blocking_seconds_ += queue_.wait();
+    drain_seconds_ += queue_.wait();
   }
 
   /// Leaving a fit by an exception: the checkpoints queued and running are
@@ -441,12 +468,14 @@ class CheckpointConnector {
   }
 
   /// What checkpoints cost this Trainer so far (summary.json's
-  /// checkpoint_ms): the training thread's time on them (writing them, or
-  /// with asynchronous checkpoints snapshotting them and waiting for the
-  /// previous), the background's, and how many files.
+  /// checkpoint_ms): the training thread's time on them while training
+  /// (writing them, or with asynchronous checkpoints snapshotting them and
+  /// waiting for the previous), the background's, the wait at a fit's end
+  /// for the last background write, and how many files.
   FitResult::Checkpoints summary() const {
     return {queue_.asynchronous(), blocking_seconds_ * 1e3,
-            queue_.background_seconds() * 1e3, checkpoints_written_};
+            queue_.background_seconds() * 1e3, drain_seconds_ * 1e3,
+            checkpoints_written_};
   }
 
   /// Every rank, at the same step: the epoch's metrics so far over all
@@ -642,6 +671,27 @@ class CheckpointConnector {
     }
   }
 
+  /// require_finite_weights on a snapshot's "model" (`buffers`: the names
+  /// of the model's buffers).
+  static void require_finite_snapshot(const Checkpoint& snap,
+                                      const std::filesystem::path& path,
+                                      const std::set<std::string>& buffers) {
+    c10::IValue model;
+    if (!snap.try_read("model", model) || !model.isGenericDict()) return;
+    for (const auto& kv : model.toGenericDict()) {
+      if (!kv.value().isTensor()) continue;
+      const torch::Tensor& t = kv.value().toTensor();
+      if (!t.is_floating_point() || torch::isfinite(t).all().item<bool>()) {
+        continue;
+      }
+      const std::string& name = kv.key().toStringRef();
+      throw NonFiniteError(ddpkit::detail::cat(
+          "refusing to write checkpoint ", path.string(), ": ",
+          buffers.count(name) ? "buffer" : "parameter", " '", name,
+          "' holds non-finite values"));
+    }
+  }
+
   void read_mid_epoch(const TrainingState& state,
                       const std::filesystem::path& path) {
     using ddpkit::detail::cat;
@@ -752,6 +802,7 @@ class CheckpointConnector {
   /// queued last in the current event.
   std::array<std::int64_t, 3> queued_state_{-1, -1, -1};
   double blocking_seconds_ = 0;
+  double drain_seconds_ = 0;
   std::int64_t checkpoints_written_ = 0;
   int rank_ = 0, world_ = 1;
   std::vector<std::string> columns_;

@@ -61,12 +61,14 @@ struct FitResult {
     bool peaks_per_step = true;
   } memory;
   /// What checkpoints cost rank 0 over the fit: milliseconds the training
-  /// thread spent on them (the whole write; with asynchronous checkpoints
-  /// the snapshot and any wait for the previous write), milliseconds of
-  /// background writing, and the files written.
+  /// thread spent on them while training (the whole write; with
+  /// asynchronous checkpoints the snapshot and any wait for the previous
+  /// write), milliseconds of background writing, milliseconds the fit's end
+  /// waited for the last background write (asynchronous only), and the
+  /// files written.
   struct Checkpoints {
     bool asynchronous = false;
-    double blocking_ms = 0, background_ms = 0;
+    double blocking_ms = 0, background_ms = 0, drain_ms = 0;
     std::int64_t written = 0;
   } checkpoints;
 };
@@ -182,6 +184,7 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
     ddpkit::detail::JsonObject ck;
     ck.add("blocking", r.checkpoints.blocking_ms)
         .add("background", r.checkpoints.background_ms);
+    if (r.checkpoints.asynchronous) ck.add("drain", r.checkpoints.drain_ms);
     j.raw("checkpoint_ms", ck.compact())
         .add("checkpoints_written", static_cast<long>(r.checkpoints.written))
         .add("async_checkpoints", r.checkpoints.asynchronous);

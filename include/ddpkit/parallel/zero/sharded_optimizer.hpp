@@ -288,6 +288,12 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     full_ = std::move(full);
   }
 
+  /// The whole optimizer `consolidate` gathered on this rank, or null (not
+  /// consolidated since the last step).
+  const torch::optim::Optimizer* consolidated() const {
+    return full_.get();
+  }
+
   /// The whole model's optimizer state: on the rank `consolidate` gathered
   /// it on, before the next step.
   void save(torch::serialize::OutputArchive& archive) const override {

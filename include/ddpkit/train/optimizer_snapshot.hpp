@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// A copy of an optimizer's state taken now and serialised later: what an
+// asynchronous checkpoint blocks for instead of the serialisation. See
+// Note [Asynchronous checkpoints] (checkpoint_queue.hpp).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddpkit/parallel/zero/sharded_optimizer.hpp"
+#include "ddpkit/train/checkpoint.hpp"
+
+namespace ddpkit::train {
+
+namespace detail {
+
+/// `t` copied to new memory on its device (undefined stays undefined).
+inline torch::Tensor copy_of(const torch::Tensor& t) {
+  return t.defined() ? t.detach().clone(torch::MemoryFormat::Preserve) : t;
+}
+
+/// A fresh `Opt` (libtorch's SGD, Adam, AdamW, RMSprop or Adagrad, whose
+/// `save` the copy uses) over `source`'s parameter groups, holding copies of
+/// `source`'s per-parameter states, their tensors copied by `copy_state`.
+template <class Opt, class Options, class State, class CopyState>
+std::shared_ptr<torch::optim::Optimizer> frozen_copy(
+    const torch::optim::Optimizer& source, CopyState copy_state) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.reserve(source.param_groups().size());
+  for (const auto& g : source.param_groups()) {
+    groups.emplace_back(g.params(), g.options().clone());
+  }
+  auto frozen = std::make_shared<Opt>(
+      groups, static_cast<const Options&>(source.defaults()));
+  frozen->state().clear();  // Adagrad makes states when it is built
+  for (const auto& kv : source.state()) {
+    auto st = kv.second->clone();  // its tensors shared with the source
+    copy_state(static_cast<State&>(*st));
+    frozen->state()[kv.first] = std::move(st);
+  }
+  return frozen;
+}
+
+/// The optimizer whose state `optimizer` saves: a ShardedOptimizer's
+/// consolidated one (after `consolidate()`), else itself.
+inline const torch::optim::Optimizer& saved_optimizer(
+    const torch::optim::Optimizer& optimizer) {
+  if (const auto* s =
+          dynamic_cast<const ddpkit::parallel::ShardedOptimizer*>(&optimizer)) {
+    if (const auto* full = s->consolidated()) return *full;
+  }
+  return optimizer;
+}
+
+}  // namespace detail
+
+/// A copy of `optimizer`'s state (every state tensor copied now, nothing
+/// shared with training) and a function that serialises it later, on any
+/// thread, to what `optimizer_bytes(optimizer)` gives now (the same states,
+/// parameter groups and options; the states' order in the archive may
+/// differ, they are keyed by parameter). For libtorch's SGD, Adam, AdamW,
+/// RMSprop and Adagrad and what derives from them (ddpkit's Foreach*), also
+/// inside a consolidated ShardedOptimizer; for any other type the state is
+/// serialised now and the function returns those bytes.
+inline std::function<torch::Tensor()> optimizer_snapshot(
+    const torch::optim::Optimizer& optimizer) {
+  namespace o = torch::optim;
+  const o::Optimizer& opt = detail::saved_optimizer(optimizer);
+  using detail::copy_of;
+  std::shared_ptr<o::Optimizer> frozen;
+  if (dynamic_cast<const o::SGD*>(&opt)) {
+    frozen = detail::frozen_copy<o::SGD, o::SGDOptions, o::SGDParamState>(
+        opt, [](o::SGDParamState& s) {
+          s.momentum_buffer(copy_of(s.momentum_buffer()));
+        });
+  } else if (dynamic_cast<const o::AdamW*>(&opt)) {
+    frozen = detail::frozen_copy<o::AdamW, o::AdamWOptions, o::AdamWParamState>(
+        opt, [](o::AdamWParamState& s) {
+          s.exp_avg(copy_of(s.exp_avg()));
+          s.exp_avg_sq(copy_of(s.exp_avg_sq()));
+          s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
+        });
+  } else if (dynamic_cast<const o::Adam*>(&opt)) {
+    frozen = detail::frozen_copy<o::Adam, o::AdamOptions, o::AdamParamState>(
+        opt, [](o::AdamParamState& s) {
+          s.exp_avg(copy_of(s.exp_avg()));
+          s.exp_avg_sq(copy_of(s.exp_avg_sq()));
+          s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
+        });
+  } else if (dynamic_cast<const o::RMSprop*>(&opt)) {
+    frozen = detail::frozen_copy<o::RMSprop, o::RMSpropOptions,
+                                 o::RMSpropParamState>(
+        opt, [](o::RMSpropParamState& s) {
+          s.square_avg(copy_of(s.square_avg()));
+          s.momentum_buffer(copy_of(s.momentum_buffer()));
+          s.grad_avg(copy_of(s.grad_avg()));
+        });
+  } else if (dynamic_cast<const o::Adagrad*>(&opt)) {
+    frozen = detail::frozen_copy<o::Adagrad, o::AdagradOptions,
+                                 o::AdagradParamState>(
+        opt, [](o::AdagradParamState& s) { s.sum(copy_of(s.sum())); });
+  }
+  if (!frozen) {
+    auto bytes = optimizer_bytes(opt);
+    return [bytes] { return bytes; };
+  }
+  return [frozen] { return optimizer_bytes(*frozen); };
+}
+
+}  // namespace ddpkit::train
