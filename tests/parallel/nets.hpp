@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/nn/batch_norm.hpp"
+#include "ddpkit/nn/unit.hpp"
 
 namespace ddpkit::test {
 
@@ -47,6 +48,69 @@ TORCH_MODULE(SmallNet);
 inline SmallNet make_net(uint64_t seed, bool bn = false, bool unused = false) {
   torch::manual_seed(seed);
   return SmallNet(bn, unused);
+}
+
+/// A block with a unit inside it (nested units): conv(8→8) relu pool,
+/// then a Linear(8→8) unit.
+struct UnitBlockImpl : torch::nn::Module {
+  UnitBlockImpl() {
+    conv = register_module(
+        "conv",
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)));
+    inner = register_module("inner", torch::nn::Linear(8, 8));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(conv(x));
+    x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+    return torch::tanh(inner(x));
+  }
+  torch::nn::Conv2d conv{nullptr};
+  ddpkit::nn::Unit<torch::nn::Linear> inner{nullptr};
+};
+TORCH_MODULE(UnitBlock);
+
+/// SmallNet's shape with ZeRO-3 units (nn::Unit): stem conv(3→8) [BN]
+/// relu, a block unit holding a nested Linear unit, a head Linear(8→5)
+/// unit, and a scale parameter of the root. `tied`: the block's inner
+/// weight is also the root's "tied", applied once more after the block
+/// (a weight of a unit and of its parent: it must be the parent's).
+struct UnitNetImpl : torch::nn::Module {
+  explicit UnitNetImpl(bool with_bn = false, bool tied = false)
+      : with_bn(with_bn), with_tied(tied) {
+    // No bias before batch norm (its gradient would be rounding noise,
+    // which AdamW turns into steps of the learning rate's size).
+    stem = register_module(
+        "stem",
+        torch::nn::Conv2d(
+            torch::nn::Conv2dOptions(3, 8, 3).padding(1).bias(!with_bn)));
+    if (with_bn) bn = register_module("bn", ddpkit::nn::BatchNorm2d(8));
+    block = register_module("block", UnitBlock());
+    if (tied) tied_weight = register_parameter("tied", block->inner->weight);
+    head = register_module("head", torch::nn::Linear(8, 5));
+    scale = register_parameter("scale", torch::ones({5}));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = stem(x);
+    if (with_bn) x = bn(x);
+    x = block(torch::relu(x));
+    if (with_tied) {
+      x = torch::tanh(torch::nn::functional::linear(x, tied_weight));
+    }
+    return head(x) * scale;
+  }
+  bool with_bn, with_tied;
+  ddpkit::nn::Unit<torch::nn::Conv2d> stem{nullptr};
+  ddpkit::nn::BatchNorm2d bn{nullptr};
+  ddpkit::nn::Unit<UnitBlock> block{nullptr};
+  ddpkit::nn::Unit<torch::nn::Linear> head{nullptr};
+  torch::Tensor scale, tied_weight;
+};
+TORCH_MODULE(UnitNet);
+
+inline UnitNet make_unit_net(uint64_t seed, bool bn = false,
+                             bool tied = false) {
+  torch::manual_seed(seed);
+  return UnitNet(bn, tied);
 }
 
 /// The whole (global) batch of step `step`.

@@ -1263,6 +1263,8 @@ DDPKIT_WORKER(mismatched_models) {
 
 // ZeRO-1 and ZeRO-2: their workers and cases (the suite "parallel").
 #include "zero_cases.hpp"
+// ZeRO-3: its workers and cases.
+#include "zero3_cases.hpp"
 
 TEST_SUITE("parallel") {
   TEST_CASE(

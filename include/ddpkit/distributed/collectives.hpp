@@ -191,6 +191,64 @@ inline std::vector<torch::Tensor> all_gather(const Group& g,
   return out[0];
 }
 
+/// Gathers every rank's `part` (same numel and dtype on every rank) into
+/// `whole`, contiguous and `world × part.numel()` long: rank q's part lands
+/// at [q * n, (q + 1) * n). Blocking. (ZeRO-3's gather of a unit: `whole`
+/// is the unit's flat parameters.)
+inline void all_gather_into(const Group& g, const torch::Tensor& part,
+                            torch::Tensor& whole) {
+  detail::check_dense(whole, "all_gather_into");
+  const int64_t n = part.numel();
+  if (whole.numel() != n * g.size()) {
+    throw Error(ddpkit::detail::cat("all_gather_into: whole has ",
+                                    whole.numel(), " elements; expected ", n,
+                                    " x ", g.size()));
+  }
+  auto src = part.detach().reshape({-1}).contiguous();
+  if (g.size() == 1 || n == 0) {
+    whole.copy_(src);
+    return;
+  }
+  std::vector<std::vector<torch::Tensor>> out(1);
+  for (int r = 0; r < g.size(); ++r)
+    out[0].push_back(whole.narrow(0, r * n, n));
+  std::vector<torch::Tensor> in{src};
+  const auto id = g.begin_collective("all_gather", &src, src.nbytes());
+  detail::wait(g, g.started(id, g.backend()->allgather(out, in)), "all_gather");
+}
+
+/// Reduce-scatter of a flat tensor into means: afterwards this rank's part
+/// of `whole` (elements [rank * n, (rank + 1) * n), n = numel / world)
+/// holds the mean over ranks of that part; the other parts are
+/// unspecified. Blocking. Over gloo or NCCL: one reduce per part to its
+/// rank (each rank sends its tensor once: (world - 1) / world of it leaves
+/// the rank, as a ring reduce-scatter's); among ranks of one host through
+/// the shared-memory channel: its all-reduce of the whole (nothing crosses
+/// a link). Returns the bytes this rank handed to collectives.
+inline uint64_t reduce_scatter_mean(const Group& g, torch::Tensor& whole) {
+  detail::check_dense(whole, "reduce_scatter_mean");
+  const int w = g.size();
+  if (w == 1) return 0;
+  if (whole.numel() % w != 0) {
+    throw Error(ddpkit::detail::cat("reduce_scatter_mean: ", whole.numel(),
+                                    " elements do not split into ", w,
+                                    " parts"));
+  }
+  if (g.shm() && ShmChannel::eligible(whole) && whole.is_floating_point()) {
+    detail::wait(g, all_reduce_mean_async(g, whole), "reduce_scatter");
+    return static_cast<uint64_t>(whole.nbytes());
+  }
+  const int64_t n = whole.numel() / w;
+  std::vector<compat::WorkPtr> works;
+  std::vector<torch::Tensor> parts;
+  for (int q = 0; q < w; ++q) {
+    parts.push_back(whole.narrow(0, q * n, n));
+    works.push_back(reduce_mean_async(g, parts.back(), q));
+  }
+  for (auto& work : works) detail::wait(g, work, "reduce_scatter");
+  return static_cast<uint64_t>(whole.nbytes());
+}
+
 /// All-gather of one arithmetic value per rank, in rank order.
 template <class T>
   requires std::is_arithmetic_v<T>

@@ -1,0 +1,187 @@
+// ZeRO-3 (include/ddpkit/parallel/zero/zero3.hpp, nn/unit.hpp): workers and
+// cases of the "parallel" suite, included by parallel_test.cpp after
+// zero_cases.hpp (whose helpers they use).
+#pragma once
+
+namespace {
+
+constexpr int kZero3Steps = 20;
+
+/// One rank's UnitNet run: `T_MODE` ddp (the user's optimizer over every
+/// parameter, nn::Unit a no-op) or zero3; `T_OPT` sgd or adamw, `T_ACCUM=1`
+/// two micro-batches a step, `T_CLIP=1` global norm clipped to 0.5,
+/// `T_BN=1` SyncBN after the stem, `T_TIED=1` a weight tied across a unit
+/// and the root, `T_KEEP=1` reshard_after_forward off. Writes `net{r}.pt`
+/// (ZeRO-3: with every unit gathered), and for ZeRO-3 `mem{r}`: the bytes
+/// of its shards, of the whole model's parameters, the most bytes held
+/// gathered at once, the largest unit's and the root unit's bytes, and
+/// whether the parameters' memory was released between steps (1/0).
+template <class Net>
+int zero3_run(Net net, const dist::Group& g, const std::string& mode) {
+  const int r = g.rank(), w = g.size();
+  const std::string kind = env_or("T_OPT", "sgd");
+  const bool accum = env_or("T_ACCUM", "0") == "1";
+  const bool clip = env_or("T_CLIP", "0") == "1";
+  const auto dir = test::worker_dir();
+  auto run = [&](auto& eng, torch::optim::Optimizer& opt) {
+    for (int s = 0; s < kZero3Steps; ++s) {
+      auto [x, y] = test::global_batch(s, w * kZeroPerRank);
+      auto xr = x.narrow(0, r * kZeroPerRank, kZeroPerRank);
+      auto yr = y.narrow(0, r * kZeroPerRank, kZeroPerRank);
+      eng.zero_grad();
+      if (accum) {
+        const int64_t half = kZeroPerRank / 2;
+        auto loss_half = [](const torch::Tensor& o, const torch::Tensor& t) {
+          return test::ce_loss(o, t) * 0.5;
+        };
+        {
+          auto guard = eng.no_sync();
+          eng.forward_backward(xr.narrow(0, 0, half), yr.narrow(0, 0, half),
+                               loss_half);
+        }
+        eng.forward_backward(xr.narrow(0, half, half), yr.narrow(0, half, half),
+                             loss_half);
+      } else {
+        eng.forward_backward(xr, yr, test::ce_loss);
+      }
+      if (clip) {
+        if constexpr (requires { eng.clip_grad_norm(0.5); }) {
+          eng.clip_grad_norm(0.5);
+        } else {
+          // Each tensor once (a tied weight's gradient counted once).
+          torch::nn::utils::clip_grad_norm_(parallel::unique_parameters(*net),
+                                            0.5);
+        }
+      }
+      opt.step();
+    }
+  };
+  auto factory = [&](std::vector<torch::Tensor> p) {
+    return zero_optimizer(kind, std::move(p));
+  };
+  const auto out = dir / ("net" + std::to_string(r) + ".pt");
+  if (mode == "zero3") {
+    parallel::ZeRO3Options o;
+    o.reshard_after_forward(env_or("T_KEEP", "0") != "1");
+    typename parallel::ZeRO3::template engine<Net> eng(net, g, o, torch::kCPU);
+    auto opt = eng.make_optimizer(factory);
+    run(eng, *opt);
+    uint64_t whole = 0, largest = 0, root = 0;
+    for (const auto& p : parallel::unique_parameters(*net)) {
+      whole += p.numel() * p.element_size();
+    }
+    const int64_t esize = 4;
+    for (const auto& [name, n] : eng.units()) {
+      const uint64_t b = static_cast<uint64_t>(n) * esize;
+      largest = std::max(largest, b);
+      if (name.empty()) root = b;
+    }
+    // Between steps the parameters' memory is released.
+    bool released = true;
+    for (const auto& p : net->parameters()) {
+      released = released && p.storage().nbytes() == 0;
+    }
+    std::ofstream(dir / ("mem" + std::to_string(r)))
+        << eng.shard_bytes() << " " << whole << " " << eng.peak_gathered_bytes()
+        << " " << largest << " " << root << " " << (released ? 1 : 0);
+    auto whole_params = eng.whole_parameters();
+    torch::save(net, out.string());
+  } else {
+    parallel::DDP::engine<Net> eng(net, g, {}, torch::kCPU);
+    auto opt = factory(parallel::unique_parameters(*net));
+    run(eng, *opt);
+    torch::save(net, out.string());
+  }
+  return 0;
+}
+
+}  // namespace
+
+DDPKIT_WORKER(zero3_train) {
+  auto g = test::worker_group();
+  const bool bn = env_or("T_BN", "0") == "1";
+  const bool tied = env_or("T_TIED", "0") == "1";
+  auto net = test::make_unit_net(300 + g.rank(), bn, tied);
+  if (bn) nn::SyncBN::apply(*net, g);
+  return zero3_run(net, g, env_or("T_MODE", "zero3"));
+}
+
+TEST_SUITE("parallel") {
+  TEST_CASE(
+      "ZeRO-3 equals DDP over 20 steps (SGD with momentum and AdamW; with "
+      "accumulation and clipping; nested units, a weight tied across a unit "
+      "and the root, SyncBN; world 2 and 4), keeps 1/world of the "
+      "parameters between steps with their memory released, and gathers at "
+      "most the root and two nested units at once") {
+    struct Case {
+      int world;
+      const char* opt;
+      bool accum, clip, bn, tied, keep;
+    };
+    for (const Case& c : {Case{2, "sgd", false, false, false, false, false},
+                          Case{2, "adamw", true, true, false, true, false},
+                          Case{2, "sgd", false, true, true, false, true},
+                          Case{4, "adamw", false, false, true, true, false},
+                          Case{4, "sgd", true, false, false, false, false}}) {
+      CAPTURE(c.world);
+      CAPTURE(c.opt);
+      CAPTURE(c.accum);
+      CAPTURE(c.clip);
+      CAPTURE(c.bn);
+      CAPTURE(c.tied);
+      CAPTURE(c.keep);
+      TempDir ddp, zero3;
+      std::vector<std::pair<std::string, std::string>> env{
+          {"T_OPT", c.opt},
+          {"T_ACCUM", c.accum ? "1" : "0"},
+          {"T_CLIP", c.clip ? "1" : "0"},
+          {"T_BN", c.bn ? "1" : "0"},
+          {"T_TIED", c.tied ? "1" : "0"},
+          {"T_KEEP", c.keep ? "1" : "0"}};
+      auto with = [&](const char* mode) {
+        auto e = env;
+        e.emplace_back("T_MODE", mode);
+        return e;
+      };
+      REQUIRE(run_workers("zero3_train", c.world, ddp.str(), with("ddp")).ok());
+      REQUIRE(
+          run_workers("zero3_train", c.world, zero3.str(), with("zero3")).ok());
+      auto load = [&](const std::filesystem::path& p) {
+        auto net = test::make_unit_net(0, c.bn, c.tied);
+        torch::load(net, p.string());
+        return net;
+      };
+      auto want = load(ddp / "net0.pt");
+      // The runs moved the weights (a comparison of untouched weights
+      // would pass whatever the engine did).
+      CHECK(test::max_state_diff(
+                *want, *test::make_unit_net(300, c.bn, c.tied)) > 1e-3);
+      uint64_t total = 0, whole = 0;
+      for (int r = 0; r < c.world; ++r) {
+        CAPTURE(r);
+        auto got = load(zero3 / ("net" + std::to_string(r) + ".pt"));
+        const double d = test::max_state_diff(*got, *want);
+        uint64_t shard = 0, peak = 0, largest = 0, root = 0, released = 0;
+        std::ifstream(zero3 / ("mem" + std::to_string(r))) >> shard >> whole >>
+            peak >> largest >> root >> released;
+        MESSAGE("ZeRO-3 ", std::string(c.opt),
+                std::string(c.accum ? " accumulate" : ""),
+                std::string(c.clip ? " clip" : ""),
+                std::string(c.bn ? " SyncBN" : ""),
+                std::string(c.tied ? " tied" : ""),
+                std::string(c.keep ? " keep-after-forward" : ""), " world ",
+                c.world, " rank ", r, ": max relative difference from DDP ", d,
+                "; shard ", shard, " of ", whole,
+                " parameter bytes; most gathered at once ", peak,
+                " (largest unit ", largest, ", root ", root, ")");
+        CHECK(d <= 1e-6);
+        CHECK(released == 1);
+        total += shard;
+        // Padding: at most world - 1 elements a unit.
+        CHECK(shard <= whole / c.world + 4 * 4 * c.world);
+        if (!c.keep) CHECK(peak <= root + 2 * largest + 4 * 4 * c.world);
+      }
+      CHECK(total >= whole);
+    }
+  }
+}
