@@ -29,6 +29,7 @@
 #include "ddpkit/parallel/grad_comm.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/parallel/zero/zero3_optimizer.hpp"
 
 namespace ddpkit::parallel {
 
@@ -82,8 +83,8 @@ namespace ddpkit::parallel {
 // unit's parameters only during a step, and at most one non-root unit
 // whole at a time in forward (two where units nest) — measured by the
 // tests. Not yet: prefetching the next unit's gather during the current
-// unit's compute, a separate parameter or reduce dtype (bf16-mixed), and
-// the Trainer's checkpoints (the engine refuses consolidate_optimizer).
+// unit's compute, and a separate parameter or reduce dtype (bf16-mixed).
+// Checkpoints: Note [ZeRO-3's checkpoints].
 
 /// ZeRO3's settings.
 struct ZeRO3Options {
@@ -253,10 +254,19 @@ struct ZeRO3 {
     }
 
     /// The Trainer's optimizer: `make` builds the user's optimizer over
-    /// this rank's shards (one flat tensor per unit).
+    /// this rank's shards (one flat tensor per unit), wrapped so that its
+    /// checkpoints hold the whole per-parameter state (Zero3Optimizer).
     template <class Factory>
     std::unique_ptr<torch::optim::Optimizer> make_optimizer(Factory make) {
-      return make(shards());
+      std::vector<Zero3Layout> layout;
+      for (const auto& u : units_) {
+        layout.push_back({u.shard, u.params, u.offsets, u.padded});
+      }
+      auto opt = std::make_unique<Zero3Optimizer>(
+          unique_parameters(as_module(model_)), std::move(layout),
+          Zero3Optimizer::Factory(std::move(make)), group_);
+      optimizer_ = opt.get();
+      return opt;
     }
     /// This rank's shards, one per unit with parameters (what the optimizer
     /// steps; their gradients are the reduced means).
@@ -265,13 +275,14 @@ struct ZeRO3 {
       for (const auto& u : units_) out.push_back(u.shard);
       return out;
     }
-    /// Not built yet: ZeRO-3's checkpoints (each rank its shard). Refused
-    /// so that no checkpoint holds one rank's part as if it were the whole.
+    /// Every rank, before rank 0 writes a checkpoint: the optimizer's
+    /// whole per-parameter state on rank 0 (Note [ZeRO-3's checkpoints]).
     void consolidate_optimizer() {
-      throw UsageError(
-          "ZeRO3: checkpoints of a stage-3 optimizer are not supported yet "
-          "(each rank holds only its shard of every unit); train without "
-          "checkpoints, or use ZeRO2");
+      if (optimizer_) optimizer_->consolidate(0);
+    }
+    /// Bytes of optimizer state this rank keeps.
+    uint64_t optimizer_state_bytes() const {
+      return optimizer_ ? optimizer_->state_bytes() : 0;
     }
     /// The largest unit's whole buffer (bytes): what one gather allocates.
     uint64_t gather_buffer_bytes() const {
@@ -325,6 +336,11 @@ struct ZeRO3 {
     /// The most bytes of parameters held whole at once (gathered units).
     uint64_t peak_gathered_bytes() const {
       return peak_gathered_bytes_;
+    }
+    /// Starts the peaks (gathered parameters, gradients) afresh.
+    void reset_peaks() {
+      peak_gathered_bytes_ = gathered_bytes_;
+      peak_grad_bytes_ = 0;
     }
     /// Bytes of parameters held whole now (gathered units).
     uint64_t gathered_bytes() const {
@@ -632,6 +648,7 @@ struct ZeRO3 {
     std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
     std::vector<std::size_t> param_unit_;
     std::vector<uintptr_t> hook_keys_;
+    Zero3Optimizer* optimizer_ = nullptr;
     bool sync_ = true;
     bool in_step_ = false;
     double last_comm_seconds_ = 0;
