@@ -49,6 +49,7 @@ using parallel::DDPRuntimeComm;
 using parallel::SingleDevice;
 using parallel::ZeRO1;
 using parallel::ZeRO2;
+using parallel::ZeRO3;
 using train::Classification;
 using train::LanguageModel;
 using train::LinearScaling;
@@ -95,6 +96,11 @@ template <class Model, class BN = PlainBN, class Scaling = NoScaling,
           class Reduction = RankZeroEval, class Task = Classification>
 using ZeRO2Trainer =
     Trainer<Model, ZeRO2, DistributedSampling, BN, Scaling, Reduction, Task>;
+/// The parameters sharded too, by nn::Unit (ZeRO stage 3).
+template <class Model, class BN = PlainBN, class Scaling = NoScaling,
+          class Reduction = RankZeroEval, class Task = Classification>
+using ZeRO3Trainer =
+    Trainer<Model, ZeRO3, DistributedSampling, BN, Scaling, Reduction, Task>;
 template <class Model, class Reduction = RankZeroEval,
           class Task = Classification>
 using SingleDeviceTrainer = Trainer<Model, SingleDevice, RandomSampling,

@@ -43,6 +43,11 @@ int zero3_run(Net net, const dist::Group& g, const std::string& mode) {
     }
     for (int s = first; s < kZero3Steps; ++s) {
       if (s == kZero3Steps / 2 && load.empty()) save_half();
+      if constexpr (requires { eng.reset_peaks(); }) {
+        // The steps' peak, not the checkpoint's (its parameters are whole
+        // until the next step's forward).
+        if (s == kZero3Steps / 2 + 1) eng.reset_peaks();
+      }
       auto [x, y] = test::global_batch(s, w * kZeroPerRank);
       auto xr = x.narrow(0, r * kZeroPerRank, kZeroPerRank);
       auto yr = y.narrow(0, r * kZeroPerRank, kZeroPerRank);
@@ -94,7 +99,6 @@ int zero3_run(Net net, const dist::Group& g, const std::string& mode) {
           torch::save(net, (dir / "half-net.pt").string());
         }
       }
-      eng.reset_peaks();  // the steps' peak, not the checkpoint's gather
     });
     uint64_t whole = 0, largest = 0, root = 0;
     for (const auto& p : parallel::unique_parameters(*net)) {

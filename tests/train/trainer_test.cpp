@@ -4,6 +4,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <iomanip>
 #include <set>
 #include <thread>
 
@@ -715,6 +716,121 @@ TEST_SUITE("train") {
 // Checkpoints and resume (include/ddpkit/train/checkpoint_connector.hpp,
 // checkpoint.hpp): cases of the "train" suite.
 #include "checkpoint_cases.hpp"
+
+namespace {
+/// Mlp with its two layers as ZeRO-3 units (nn::Unit: a no-op elsewhere).
+struct UnitMlpImpl : torch::nn::Module {
+  UnitMlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(3 * 32 * 32, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  nn::Unit<torch::nn::Linear> fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(UnitMlp);
+}  // namespace
+
+/// UnitMlp at world 2 through the Trainer: `T_MODE` ddp or zero3, T_EPOCHS
+/// epochs of batches of 5 per rank, 2 per step, clipped at norm 1,
+/// `T_RESUME` ("" or auto), `T_EVAL=sharded`: ShardedEval (else
+/// RankZeroEval). Writes the final validation loss to `val<rank>`.
+DDPKIT_WORKER(trainer_zero3) {
+  auto g = test::worker_group();
+  const std::string mode = std::getenv("T_MODE");
+  const bool sharded = std::string(std::getenv("T_EVAL") ? std::getenv("T_EVAL")
+                                                         : "") == "sharded";
+  torch::manual_seed(1);
+  auto d = accumulation_data();
+  const auto opts = accumulation_options(test::worker_dir() / "out", 2, 1.0)
+                        .epochs(std::atoi(std::getenv("T_EPOCHS")))
+                        .resume(std::getenv("T_RESUME"));
+  auto run = [&](auto& trainer) {
+    auto r = trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                         data::LoaderOptions(5).workers(0));
+    std::ofstream(test::worker_dir() / ("val" + std::to_string(g.rank())))
+        << std::setprecision(17) << r.history.back().value("val_loss");
+  };
+  if (mode == "zero3" && sharded) {
+    ZeRO3Trainer<UnitMlp, PlainBN, NoScaling, ShardedEval> t(
+        UnitMlp(), sgd_momentum(kAccLr), opts, g);
+    run(t);
+  } else if (mode == "zero3") {
+    ZeRO3Trainer<UnitMlp> t(UnitMlp(), sgd_momentum(kAccLr), opts, g);
+    run(t);
+  } else {
+    DDPTrainer<UnitMlp> t(UnitMlp(), sgd_momentum(kAccLr), opts, g);
+    run(t);
+  }
+  return 0;
+}
+
+TEST_SUITE("train") {
+  TEST_CASE(
+      "ZeRO-3 through the Trainer (world 2, accumulation, clipping, "
+      "checkpoints, rank-0 and sharded evaluation) equals DDP; its "
+      "checkpoint resumes under ZeRO-3 and under DDP as the run that did "
+      "not stop") {
+    auto env = [](const char* mode, int epochs, const char* resume,
+                  const char* eval = "") {
+      return std::vector<std::pair<std::string, std::string>>{
+          {"T_MODE", mode},
+          {"T_EPOCHS", std::to_string(epochs)},
+          {"T_RESUME", resume},
+          {"T_EVAL", eval}};
+    };
+    auto worst = [](const fs::path& a, const fs::path& b) {
+      auto ma = model_of(a), mb = model_of(b);
+      double w = 0;
+      for (const auto& kv : ma) {
+        const auto a = kv.value().toTensor().to(torch::kFloat64);
+        const auto b = mb.at(kv.key()).toTensor().to(torch::kFloat64);
+        const double scale = b.abs().max().item<double>();
+        w = std::max(
+            w, (a - b).abs().max().item<double>() / (scale > 0 ? scale : 1.0));
+      }
+      return w;
+    };
+    auto val = [](const TempDir& d) {
+      double v = 0;
+      std::ifstream(d / "val0") >> v;
+      return v;
+    };
+    TempDir ddp, zero3, sharded, stopped, to_ddp;
+    REQUIRE(run_workers("trainer_zero3", 2, ddp.str(), env("ddp", 3, "")).ok());
+    REQUIRE(
+        run_workers("trainer_zero3", 2, zero3.str(), env("zero3", 3, "")).ok());
+    REQUIRE(run_workers("trainer_zero3", 2, sharded.str(),
+                        env("zero3", 3, "", "sharded"))
+                .ok());
+    const fs::path last = "out/checkpoints/last.pt";
+    const double d = worst(zero3 / last, ddp / last);
+    const double ds = worst(sharded / last, ddp / last);
+    MESSAGE("ZeRO-3 Trainer vs DDP: max relative difference ", d,
+            " (sharded evaluation: ", ds, "); validation loss ", val(zero3),
+            " vs ", val(ddp));
+    CHECK(d <= 1e-6);
+    CHECK(ds <= 1e-6);
+    CHECK(val(zero3) == doctest::Approx(val(ddp)).epsilon(1e-6));
+    CHECK(val(sharded) == doctest::Approx(val(ddp)).epsilon(1e-6));
+    // Stopped after 2 epochs, resumed to 3: under ZeRO-3, and under DDP
+    // from a copy of the same checkpoint.
+    REQUIRE(run_workers("trainer_zero3", 2, stopped.str(), env("zero3", 2, ""))
+                .ok());
+    fs::copy(stopped / "out", to_ddp / "out", fs::copy_options::recursive);
+    REQUIRE(
+        run_workers("trainer_zero3", 2, stopped.str(), env("zero3", 3, "auto"))
+            .ok());
+    REQUIRE(run_workers("trainer_zero3", 2, to_ddp.str(), env("ddp", 3, "auto"))
+                .ok());
+    const double dr = worst(stopped / last, zero3 / last);
+    const double dd = worst(to_ddp / last, zero3 / last);
+    MESSAGE("resumed under ZeRO-3: ", dr, "; under DDP: ", dd);
+    CHECK(dr <= 1e-6);
+    CHECK(dd <= 1e-6);
+  }
+}
 
 DDPKIT_WORKER(eval_strategies) {
   auto g = test::worker_group();

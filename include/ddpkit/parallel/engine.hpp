@@ -69,10 +69,10 @@ using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
 // (a derived engine extends its base's: `base::capabilities::with<...>`),
 // and each declared capability is a named concept below that the engine
 // must satisfy (`engine_keeps_its_declarations`, part of `parallel_engine`):
-// a misspelt method is a compile error naming the capability. The two
-// whose absence would be silently wrong — `shards_optimizer` and
-// `clips_globally` — must also be declared when the methods exist. The
-// Trainer asks `declares<Engine, capability::X>` and calls the method.
+// a misspelt method is a compile error naming the capability. The three
+// whose absence would be silently wrong — `shards_optimizer`,
+// `shards_parameters` and `clips_globally` — must also be declared when the
+// methods exist. The Trainer asks `declares<Engine, capability::X>` and calls the method.
 
 /// The capabilities an engine may declare (see Note [Engine capabilities]).
 namespace capability {
@@ -84,6 +84,11 @@ struct takes_inputs {};
 /// consolidate_optimizer() on every rank before rank 0 writes a checkpoint,
 /// gather_buffer_bytes().
 struct shards_optimizer {};
+/// whole_parameters(bool write_back) -> a guard (every rank) under which
+/// the model's parameters are whole (reading, saving, evaluating; with
+/// write_back, loading into them), and gradients_finite() over this
+/// rank's gradient shards: the parameters themselves are sharded (ZeRO3).
+struct shards_parameters {};
 /// clip_grad_norm(max_norm, norm_type) -> the total norm, taken across
 /// gradient shards (the Trainer clips by norm only through it).
 struct clips_globally {};
@@ -244,6 +249,12 @@ concept engine_shards_optimizer =
     };
 
 template <class E>
+concept engine_shards_parameters = requires(E e, bool write_back) {
+  e.whole_parameters(write_back);
+  { e.gradients_finite() } -> std::convertible_to<bool>;
+};
+
+template <class E>
 concept engine_clips_globally = requires(E e, double max_norm) {
   { e.clip_grad_norm(max_norm, max_norm) } -> std::convertible_to<double>;
 };
@@ -285,6 +296,10 @@ concept keeps_shards_optimizer =
     !parallel::declares<E, parallel::capability::shards_optimizer> ||
     engine_shards_optimizer<E>;
 template <class E>
+concept keeps_shards_parameters =
+    !parallel::declares<E, parallel::capability::shards_parameters> ||
+    engine_shards_parameters<E>;
+template <class E>
 concept keeps_clips_globally =
     !parallel::declares<E, parallel::capability::clips_globally> ||
     engine_clips_globally<E>;
@@ -316,6 +331,10 @@ concept declares_optimizer_sharding =
     !engine_shards_optimizer<E> ||
     parallel::declares<E, parallel::capability::shards_optimizer>;
 template <class E>
+concept declares_parameter_sharding =
+    !engine_shards_parameters<E> ||
+    parallel::declares<E, parallel::capability::shards_parameters>;
+template <class E>
 concept declares_global_clipping =
     !engine_clips_globally<E> ||
     parallel::declares<E, parallel::capability::clips_globally>;
@@ -325,9 +344,10 @@ concept declares_global_clipping =
 template <class E>
 concept engine_keeps_its_declarations =
     keeps_takes_inputs<E> && keeps_shards_optimizer<E> &&
-    keeps_clips_globally<E> && keeps_measures_gradients<E> &&
-    keeps_counts_traffic<E> && keeps_names_mode<E> && keeps_names_comm<E> &&
-    keeps_joins<E> && declares_optimizer_sharding<E> &&
+    keeps_shards_parameters<E> && keeps_clips_globally<E> &&
+    keeps_measures_gradients<E> && keeps_counts_traffic<E> &&
+    keeps_names_mode<E> && keeps_names_comm<E> && keeps_joins<E> &&
+    declares_optimizer_sharding<E> && declares_parameter_sharding<E> &&
     declares_global_clipping<E>;
 
 /// The contract of `P::engine<M>`: built from (model, group, options,

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <optional>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -259,7 +260,15 @@ int train_step(const StepContext<Engine, Task>& c,
   const bool check = o.check_finite() && !amp;
   torch::nn::Module& module = parallel::as_module(c.engine.module());
   const auto agree_start = clock::now();
-  const bool grads_ok = !check || grads_finite(module);
+  bool grads_ok = true;
+  if (check) {
+    if constexpr (parallel::declares<std::remove_cvref_t<decltype(c.engine)>,
+                                     parallel::capability::shards_parameters>) {
+      grads_ok = c.engine.gradients_finite();  // the gradients are sharded
+    } else {
+      grads_ok = grads_finite(module);
+    }
+  }
   const auto collective_start = clock::now();
   const StepAgreement a =
       agree_on_step(c.agreement, signals, check, loss_finite, grads_ok, c.rank,

@@ -220,7 +220,10 @@ class Trainer : private CheckpointWriter {
       const EpochMetrics m =
           end_epoch(s, task_, agreement_group(), rank(),
                     [&] { return evaluate(val, eval_transform, lo); });
-      if (options_.checkpoints()) prepare_checkpoint();
+      if (options_.checkpoints() ||
+          (shards_parameters && !options_.weights_pattern().empty())) {
+        prepare_checkpoint();  // (sharded parameters: whole for the weights)
+      }
       emit(EpochEnd{s, m});
       const bool stopping = s.stop;
       const int sig = agree_at_epoch_end(agreement_group(), signals, s.stop);
@@ -260,6 +263,9 @@ class Trainer : private CheckpointWriter {
                       data::LoaderOptions lo) {
     lo.drop_last(false);
     lo.rank(group_.rank());
+    // Sharded parameters: whole for the pass (the ranks' shards of the set
+    // may differ by a batch, and rank 0 may evaluate alone).
+    [[maybe_unused]] auto whole = whole_parameters();
     auto forward = [&](const data::Batch& batch) {
       const data::Inputs x = to_device_inputs(
           batch, device_, torch_memory_format(options_.memory_format()),
@@ -439,7 +445,11 @@ class Trainer : private CheckpointWriter {
                      "; every rank must read the same dataset");
         });
     checkpoints_.begin(train_size, fingerprint);
-    s.epoch = checkpoints_.resume(s);
+    {
+      // Sharded parameters: loaded whole, each rank keeping its part.
+      [[maybe_unused]] auto whole = whole_parameters(/*write_back=*/true);
+      s.epoch = checkpoints_.resume(s);
+    }
     s.last_checkpoint_step = s.global_step;
   }
 
@@ -551,8 +561,24 @@ class Trainer : private CheckpointWriter {
     checkpoints_.then(std::move(fn));
   }
 
+  /// An engine whose parameters are sharded (ZeRO3).
+  static constexpr bool shards_parameters =
+      parallel::declares<engine_type, parallel::capability::shards_parameters>;
+
+  /// Every rank: under an engine that shards the parameters, a guard while
+  /// they are whole (null otherwise).
+  auto whole_parameters(bool write_back = false) {
+    if constexpr (shards_parameters) {
+      return engine_.whole_parameters(write_back);
+    } else {
+      (void)write_back;
+      return std::unique_ptr<int>();
+    }
+  }
+
   /// Every rank, before rank 0 writes a checkpoint: an engine that shards
-  /// the optimizer gathers its shards on rank 0.
+  /// the optimizer gathers its shards on rank 0 (and one that shards the
+  /// parameters gathers them until the next step).
   void prepare_checkpoint() {
     if constexpr (parallel::declares<engine_type,
                                      parallel::capability::shards_optimizer>) {

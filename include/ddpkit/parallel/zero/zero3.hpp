@@ -135,7 +135,8 @@ struct ZeRO3 {
     /// See Note [Engine capabilities].
     using capabilities = ::ddpkit::parallel::capabilities<
         capability::takes_inputs, capability::shards_optimizer,
-        capability::clips_globally, capability::measures_gradients>;
+        capability::clips_globally, capability::measures_gradients,
+        capability::shards_parameters>;
 
     engine(Model model, dist::Group group, options_type opts,
            torch::Device device)
@@ -188,7 +189,7 @@ struct ZeRO3 {
       nn::detail::ActiveUnitCalls active(this);
       gather(0);
       torch::Tensor out = data::forward_inputs(model_, x);
-      if (!grad) free_all();
+      if (!grad && !holding()) free_all();
       return out;
     }
 
@@ -200,7 +201,7 @@ struct ZeRO3 {
       try {
         loss.backward();
       } catch (...) {
-        free_all();
+        if (!holding()) free_all();
         in_step_ = false;
         throw;
       }
@@ -217,7 +218,7 @@ struct ZeRO3 {
       for (std::size_t u = 0; u < units_.size(); ++u) {
         if (!units_[u].reduced) reduce_unit(u);
       }
-      free_all();
+      if (!holding()) free_all();
       in_step_ = false;
     }
 
@@ -277,8 +278,12 @@ struct ZeRO3 {
     }
     /// Every rank, before rank 0 writes a checkpoint: the optimizer's
     /// whole per-parameter state on rank 0 (Note [ZeRO-3's checkpoints]).
+    /// The parameters are gathered too and stay whole until the next
+    /// training forward (rank 0 writes them).
     void consolidate_optimizer() {
       if (optimizer_) optimizer_->consolidate(0);
+      for (std::size_t u = 0; u < units_.size(); ++u) gather(u);
+      held_for_checkpoint_ = true;
     }
     /// Bytes of optimizer state this rank keeps.
     uint64_t optimizer_state_bytes() const {
@@ -358,21 +363,54 @@ struct ZeRO3 {
       for (const auto& u : units_) out.emplace_back(u.name, u.numel);
       return out;
     }
-    /// Gathers every unit (the whole model's parameters readable) until the
-    /// returned object goes: for reading or saving the model between steps.
-    [[nodiscard]] auto whole_parameters() {
-      struct Whole {
-        engine* e;
-        Whole(engine* e) : e(e) {
-          for (std::size_t u = 0; u < e->units_.size(); ++u) e->gather(u);
+    /// What whole_parameters returns.
+    class WholeParameters {
+     public:
+      WholeParameters(engine& e, bool write_back)
+          : e_(e), write_back_(write_back) {
+        for (std::size_t u = 0; u < e_.units_.size(); ++u) {
+          was_.push_back(e_.units_[u].gathered);
+          e_.gather(u);
         }
-        Whole(const Whole&) = delete;
-        Whole& operator=(const Whole&) = delete;
-        ~Whole() {
-          e->free_all();
+        ++e_.holds_;
+      }
+      WholeParameters(const WholeParameters&) = delete;
+      WholeParameters& operator=(const WholeParameters&) = delete;
+      ~WholeParameters() {
+        --e_.holds_;
+        if (write_back_) e_.write_back();
+        if (e_.holding()) return;
+        for (std::size_t u = 0; u < e_.units_.size(); ++u) {
+          if (!was_[u]) e_.free(u);
         }
-      };
-      return std::make_unique<Whole>(this);
+      }
+
+     private:
+      engine& e_;
+      bool write_back_;
+      std::vector<bool> was_;
+    };
+
+    /// Every rank: gathers every unit (the whole model's parameters
+    /// readable, and no gather or free in forward) until the returned
+    /// object goes; then the units it gathered are freed. `write_back`:
+    /// values written into the parameters meanwhile (a checkpoint loaded)
+    /// are kept: each rank copies its part into its shards.
+    [[nodiscard]] std::unique_ptr<WholeParameters> whole_parameters(
+        bool write_back = false) {
+      return std::make_unique<WholeParameters>(*this, write_back);
+    }
+
+    /// Whether any shard's gradient holds inf or NaN (this rank's shards;
+    /// the Trainer agrees across ranks).
+    bool gradients_finite() const {
+      for (const auto& u : units_) {
+        const auto& g = u.shard.grad();
+        if (g.defined() && !torch::isfinite(g).all().template item<bool>()) {
+          return false;
+        }
+      }
+      return true;
     }
 
    private:
@@ -454,6 +492,14 @@ struct ZeRO3 {
         }
         if (u.params.empty() && f != 0) continue;
         for (const auto& p : u.params) {
+          if (!p.is_non_overlapping_and_dense()) {
+            throw UsageError(ddpkit::detail::cat(
+                "ZeRO3: a parameter of unit '",
+                u.name.empty() ? "(root)" : u.name, "' (sizes ", p.sizes(),
+                ", strides ", p.strides(),
+                ") is not dense; ZeRO-3 lays each parameter in a flat "
+                "buffer as its memory lies (contiguous or channels-last)"));
+          }
           if (p.scalar_type() != u.params[0].scalar_type()) {
             throw UsageError(ddpkit::detail::cat(
                 "ZeRO3: unit '", u.name.empty() ? "(root)" : u.name,
@@ -474,9 +520,9 @@ struct ZeRO3 {
           u.full = torch::zeros({u.padded}, opts);
           for (std::size_t k = 0; k < u.params.size(); ++k) {
             auto& p = u.params[k];
-            auto slice = u.full.narrow(0, u.offsets[k], p.numel());
-            slice.copy_(p.detach().reshape({-1}));
-            p.set_data(slice.view(p.sizes()));
+            auto view = detail::param_view(u.full, u.offsets[k], p);
+            view.copy_(p.detach());
+            p.set_data(view);
             if (p.requires_grad()) ++u.trainable;
           }
           u.shard = u.full.narrow(0, r * chunk, chunk).clone();
@@ -514,7 +560,11 @@ struct ZeRO3 {
     }
 
     void begin_step() {
-      if (in_step_) {
+      if (held_for_checkpoint_ && holds_ == 0) {
+        held_for_checkpoint_ = false;
+        free_all();
+      }
+      if (in_step_ && !holding()) {
         // A forward whose backward never ran (or threw): start afresh.
         free_all();
       }
@@ -534,7 +584,7 @@ struct ZeRO3 {
       if (unit.pending == 0 || --unit.pending > 0) return;
       torch::NoGradGuard no_grad;
       reduce_unit(u);
-      free(u);
+      if (!holding()) free(u);
     }
 
     // The unit's gradients, reduced into means, this rank's part added to
@@ -550,8 +600,7 @@ struct ZeRO3 {
       for (std::size_t k = 0; k < unit.params.size(); ++k) {
         auto& p = unit.params[k];
         if (!p.grad().defined()) continue;
-        flat.narrow(0, unit.offsets[k], p.numel())
-            .copy_(p.grad().reshape({-1}));
+        detail::param_view(flat, unit.offsets[k], p).copy_(p.grad());
       }
       note_gradients(static_cast<uint64_t>(flat.nbytes()));
       for (auto& p : unit.params) {
@@ -599,6 +648,22 @@ struct ZeRO3 {
       for (std::size_t u = 0; u < units_.size(); ++u) free(u);
     }
 
+    // Whole parameters are held (whole_parameters, a checkpoint): forward
+    // neither gathers nor frees.
+    bool holding() const {
+      return holds_ > 0 || held_for_checkpoint_;
+    }
+
+    // Each rank's part of the (gathered) parameters into its shards.
+    void write_back() {
+      torch::NoGradGuard no_grad;
+      const int r = group_.rank();
+      for (auto& u : units_) {
+        const int64_t chunk = u.padded / group_.size();
+        u.shard.detach().copy_(u.full.narrow(0, r * chunk, chunk));
+      }
+    }
+
     // Gradient bytes held now (whole `.grad`s, shards' gradients, plus
     // `extra` in flight), kept as the peak.
     void note_gradients(uint64_t extra = 0) {
@@ -625,7 +690,7 @@ struct ZeRO3 {
     torch::Tensor after_unit(const torch::nn::Module& m,
                              torch::Tensor out) override {
       const auto u = unit_of(m);
-      if (u == SIZE_MAX || u == 0) return out;
+      if (u == SIZE_MAX || u == 0 || holding()) return out;
       if (!torch::GradMode::is_enabled()) {
         free(u);
         return out;
@@ -649,6 +714,8 @@ struct ZeRO3 {
     std::vector<std::size_t> param_unit_;
     std::vector<uintptr_t> hook_keys_;
     Zero3Optimizer* optimizer_ = nullptr;
+    int holds_ = 0;
+    bool held_for_checkpoint_ = false;
     bool sync_ = true;
     bool in_step_ = false;
     double last_comm_seconds_ = 0;

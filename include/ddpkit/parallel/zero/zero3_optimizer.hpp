@@ -89,6 +89,15 @@ inline std::vector<torch::Tensor> state_tensors(
   return out;
 }
 
+/// Parameter `p`'s place in a flat buffer `flat` at element `offset`: a
+/// view of `flat` with `p`'s sizes and strides (p dense: contiguous or
+/// channels-last), so values lie as they lie in `p`'s memory.
+inline torch::Tensor param_view(const torch::Tensor& flat, int64_t offset,
+                                const torch::Tensor& p) {
+  return flat.as_strided(p.sizes(), p.strides(),
+                         flat.storage_offset() + offset);
+}
+
 }  // namespace detail
 
 /// How the parameters of one ZeRO-3 unit lie in its flat buffer.
@@ -153,9 +162,8 @@ class Zero3Optimizer : public torch::optim::Optimizer {
         const auto& p = u.params[k];
         auto s = whole->clone();
         detail::map_state_tensors(*s, [&](const torch::Tensor& flat) {
-          return flat.narrow(0, u.offsets[k], p.numel())
-              .view(p.sizes())
-              .clone();
+          return detail::param_view(flat, u.offsets[k], p)
+              .clone(torch::MemoryFormat::Preserve);
         });
         full->state()[compat::optimizer_state_key(p)] = std::move(s);
       }
@@ -211,9 +219,8 @@ class Zero3Optimizer : public torch::optim::Optimizer {
               "parameters of one unit (fields defined for some only)");
         }
         for (std::size_t f = 0; f < flats.size(); ++f) {
-          flats[f]
-              .narrow(0, u.offsets[k], u.params[k].numel())
-              .copy_(mine[f].reshape({-1}));
+          detail::param_view(flats[f], u.offsets[k], u.params[k])
+              .copy_(mine[f]);
         }
       }
       const int64_t chunk = u.padded / w;
