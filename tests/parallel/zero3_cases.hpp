@@ -162,8 +162,7 @@ TEST_SUITE("parallel") {
     for (const Case& c : {Case{2, "sgd", false, false, false, false, false},
                           Case{2, "adamw", true, true, false, true, false},
                           Case{2, "sgd", false, true, true, false, true},
-                          Case{4, "adamw", false, false, true, true, false},
-                          Case{4, "sgd", true, false, false, false, false}}) {
+                          Case{4, "adamw", true, false, true, true, false}}) {
       CAPTURE(c.world);
       CAPTURE(c.opt);
       CAPTURE(c.accum);
@@ -237,7 +236,7 @@ TEST_SUITE("parallel") {
       "a ZeRO-3 checkpoint (model and optimizer state written half way at "
       "world 2, SGD with momentum and AdamW) is DDP's format: it resumes "
       "under ZeRO-3 and DDP at world 2 as the run that did not stop, and "
-      "at world 1 and 4 the same under ZeRO-3 as under DDP") {
+      "at world 1 and 4 the same under ZeRO-3 as under DDP (SGD)") {
     for (const char* opt : {"sgd", "adamw"}) {
       CAPTURE(opt);
       auto env = [&](const char* mode, const std::string& load,
@@ -272,6 +271,8 @@ TEST_SUITE("parallel") {
                 std::string(mode), " at world 2: max relative difference ", d);
         CHECK(d <= 1e-6);
       }
+      // (CI time: the rest once, with SGD.)
+      if (std::string(opt) != "sgd") continue;
       // Without the optimizer's state the run goes elsewhere (so the state
       // carried above mattered).
       TempDir fresh;

@@ -733,8 +733,8 @@ TORCH_MODULE(UnitMlp);
 }  // namespace
 
 /// UnitMlp at world 2 through the Trainer: `T_MODE` ddp or zero3, T_EPOCHS
-/// epochs of batches of 5 per rank, 2 per step, clipped at norm 1,
-/// `T_RESUME` ("" or auto), `T_EVAL=sharded`: ShardedEval (else
+/// epochs of batches of 5 per rank, 2 per step, clipped at norm 1 (at
+/// value `T_CLIPV` when set), `T_RESUME` ("" or auto), `T_EVAL=sharded`: ShardedEval (else
 /// RankZeroEval). Writes the final validation loss to `val<rank>`.
 DDPKIT_WORKER(trainer_zero3) {
   auto g = test::worker_group();
@@ -743,9 +743,13 @@ DDPKIT_WORKER(trainer_zero3) {
                                                          : "") == "sharded";
   torch::manual_seed(1);
   auto d = accumulation_data();
-  const auto opts = accumulation_options(test::worker_dir() / "out", 2, 1.0)
-                        .epochs(std::atoi(std::getenv("T_EPOCHS")))
-                        .resume(std::getenv("T_RESUME"));
+  auto opts = accumulation_options(test::worker_dir() / "out", 2, 1.0)
+                  .epochs(std::atoi(std::getenv("T_EPOCHS")))
+                  .resume(std::getenv("T_RESUME"));
+  if (std::getenv("T_CLIPV")) {  // clipped by value instead
+    opts.clip(
+        train::ClipOptions().max_value(std::atof(std::getenv("T_CLIPV"))));
+  }
   auto run = [&](auto& trainer) {
     auto r = trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
                          data::LoaderOptions(5).workers(0));
@@ -829,6 +833,22 @@ TEST_SUITE("train") {
     MESSAGE("resumed under ZeRO-3: ", dr, "; under DDP: ", dd);
     CHECK(dr <= 1e-6);
     CHECK(dd <= 1e-6);
+    // Clipped by value (elementwise, on the gradient shards), small enough
+    // to bind: as DDP.
+    TempDir ddp_v, zero3_v;
+    auto by_value = [&](const char* mode) {
+      auto e = env(mode, 3, "");
+      e.emplace_back("T_CLIPV", "0.002");
+      return e;
+    };
+    REQUIRE(run_workers("trainer_zero3", 2, ddp_v.str(), by_value("ddp")).ok());
+    REQUIRE(
+        run_workers("trainer_zero3", 2, zero3_v.str(), by_value("zero3")).ok());
+    const double dv = worst(zero3_v / last, ddp_v / last);
+    MESSAGE("clipped by value: ZeRO-3 vs DDP ", dv, "; vs unclipped DDP ",
+            worst(ddp_v / last, ddp / last));
+    CHECK(dv <= 1e-6);
+    CHECK(worst(ddp_v / last, ddp / last) > 1e-3);  // the clip did bind
   }
 }
 

@@ -86,8 +86,9 @@ struct takes_inputs {};
 struct shards_optimizer {};
 /// whole_parameters(bool write_back) -> a guard (every rank) under which
 /// the model's parameters are whole (reading, saving, evaluating; with
-/// write_back, loading into them), and gradients_finite() over this
-/// rank's gradient shards: the parameters themselves are sharded (ZeRO3).
+/// write_back, loading into them), and shards(): the tensors this rank
+/// steps, which hold its gradients (finiteness and clipping by value read
+/// them): the parameters themselves are sharded (ZeRO3).
 struct shards_parameters {};
 /// clip_grad_norm(max_norm, norm_type) -> the total norm, taken across
 /// gradient shards (the Trainer clips by norm only through it).
@@ -251,7 +252,7 @@ concept engine_shards_optimizer =
 template <class E>
 concept engine_shards_parameters = requires(E e, bool write_back) {
   e.whole_parameters(write_back);
-  { e.gradients_finite() } -> std::convertible_to<bool>;
+  { e.shards() } -> std::convertible_to<std::vector<torch::Tensor>>;
 };
 
 template <class E>

@@ -124,7 +124,13 @@ void clip_step(Engine& engine, torch::nn::Module& module,
       return;
     }
   }
-  clip_gradients(parallel::unique_parameters(module), c);
+  if constexpr (parallel::declares<Engine,
+                                   parallel::capability::shards_parameters>) {
+    // By value, elementwise: on the shards, which hold the gradients.
+    clip_gradients(engine.shards(), c);
+  } else {
+    clip_gradients(parallel::unique_parameters(module), c);
+  }
 }
 
 /// The next optimizer step's batches from `batches` (up to `accumulate`);
@@ -264,7 +270,7 @@ int train_step(const StepContext<Engine, Task>& c,
   if (check) {
     if constexpr (parallel::declares<std::remove_cvref_t<decltype(c.engine)>,
                                      parallel::capability::shards_parameters>) {
-      grads_ok = c.engine.gradients_finite();  // the gradients are sharded
+      grads_ok = gradients_finite(c.engine.shards());  // sharded gradients
     } else {
       grads_ok = grads_finite(module);
     }

@@ -401,18 +401,6 @@ struct ZeRO3 {
       return std::make_unique<WholeParameters>(*this, write_back);
     }
 
-    /// Whether any shard's gradient holds inf or NaN (this rank's shards;
-    /// the Trainer agrees across ranks).
-    bool gradients_finite() const {
-      for (const auto& u : units_) {
-        const auto& g = u.shard.grad();
-        if (g.defined() && !torch::isfinite(g).all().template item<bool>()) {
-          return false;
-        }
-      }
-      return true;
-    }
-
    private:
     struct UnitState {
       std::string name;
