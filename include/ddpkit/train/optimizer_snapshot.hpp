@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/parallel/zero/sharded_optimizer.hpp"
+#include "ddpkit/parallel/zero/zero3_optimizer.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 
 namespace ddpkit::train {
@@ -25,10 +26,11 @@ inline torch::Tensor copy_of(const torch::Tensor& t) {
 
 /// A fresh `Opt` (libtorch's SGD, Adam, AdamW, RMSprop or Adagrad, whose
 /// `save` the copy uses) over `source`'s parameter groups, holding copies of
-/// `source`'s per-parameter states, their tensors copied by `copy_state`.
-template <class Opt, class Options, class State, class CopyState>
+/// `source`'s per-parameter states, every state tensor copied
+/// (parallel::detail::map_state_tensors knows each type's tensors).
+template <class Opt, class Options>
 std::shared_ptr<torch::optim::Optimizer> frozen_copy(
-    const torch::optim::Optimizer& source, CopyState copy_state) {
+    const torch::optim::Optimizer& source) {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.reserve(source.param_groups().size());
   for (const auto& g : source.param_groups()) {
@@ -39,19 +41,23 @@ std::shared_ptr<torch::optim::Optimizer> frozen_copy(
   frozen->state().clear();  // Adagrad makes states when it is built
   for (const auto& kv : source.state()) {
     auto st = kv.second->clone();  // its tensors shared with the source
-    copy_state(static_cast<State&>(*st));
+    ddpkit::parallel::detail::map_state_tensors(*st, copy_of);
     frozen->state()[kv.first] = std::move(st);
   }
   return frozen;
 }
 
-/// The optimizer whose state `optimizer` saves: a ShardedOptimizer's
-/// consolidated one (after `consolidate()`), else itself.
+/// The optimizer whose state `optimizer` saves: a ShardedOptimizer's or a
+/// Zero3Optimizer's consolidated one (after `consolidate()`), else itself.
 inline const torch::optim::Optimizer& saved_optimizer(
     const torch::optim::Optimizer& optimizer) {
   if (const auto* s =
           dynamic_cast<const ddpkit::parallel::ShardedOptimizer*>(&optimizer)) {
     if (const auto* full = s->consolidated()) return *full;
+  }
+  if (const auto* z =
+          dynamic_cast<const ddpkit::parallel::Zero3Optimizer*>(&optimizer)) {
+    if (const auto* full = z->consolidated()) return *full;
   }
   return optimizer;
 }
@@ -64,45 +70,24 @@ inline const torch::optim::Optimizer& saved_optimizer(
 /// parameter groups and options; the states' order in the archive may
 /// differ, they are keyed by parameter). For libtorch's SGD, Adam, AdamW,
 /// RMSprop and Adagrad and what derives from them (ddpkit's Foreach*), also
-/// inside a consolidated ShardedOptimizer; for any other type the state is
+/// inside a consolidated ShardedOptimizer or Zero3Optimizer; for any other
+/// type the state is
 /// serialised now and the function returns those bytes.
 inline std::function<torch::Tensor()> optimizer_snapshot(
     const torch::optim::Optimizer& optimizer) {
   namespace o = torch::optim;
   const o::Optimizer& opt = detail::saved_optimizer(optimizer);
-  using detail::copy_of;
   std::shared_ptr<o::Optimizer> frozen;
   if (dynamic_cast<const o::SGD*>(&opt)) {
-    frozen = detail::frozen_copy<o::SGD, o::SGDOptions, o::SGDParamState>(
-        opt, [](o::SGDParamState& s) {
-          s.momentum_buffer(copy_of(s.momentum_buffer()));
-        });
+    frozen = detail::frozen_copy<o::SGD, o::SGDOptions>(opt);
   } else if (dynamic_cast<const o::AdamW*>(&opt)) {
-    frozen = detail::frozen_copy<o::AdamW, o::AdamWOptions, o::AdamWParamState>(
-        opt, [](o::AdamWParamState& s) {
-          s.exp_avg(copy_of(s.exp_avg()));
-          s.exp_avg_sq(copy_of(s.exp_avg_sq()));
-          s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
-        });
+    frozen = detail::frozen_copy<o::AdamW, o::AdamWOptions>(opt);
   } else if (dynamic_cast<const o::Adam*>(&opt)) {
-    frozen = detail::frozen_copy<o::Adam, o::AdamOptions, o::AdamParamState>(
-        opt, [](o::AdamParamState& s) {
-          s.exp_avg(copy_of(s.exp_avg()));
-          s.exp_avg_sq(copy_of(s.exp_avg_sq()));
-          s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
-        });
+    frozen = detail::frozen_copy<o::Adam, o::AdamOptions>(opt);
   } else if (dynamic_cast<const o::RMSprop*>(&opt)) {
-    frozen = detail::frozen_copy<o::RMSprop, o::RMSpropOptions,
-                                 o::RMSpropParamState>(
-        opt, [](o::RMSpropParamState& s) {
-          s.square_avg(copy_of(s.square_avg()));
-          s.momentum_buffer(copy_of(s.momentum_buffer()));
-          s.grad_avg(copy_of(s.grad_avg()));
-        });
+    frozen = detail::frozen_copy<o::RMSprop, o::RMSpropOptions>(opt);
   } else if (dynamic_cast<const o::Adagrad*>(&opt)) {
-    frozen = detail::frozen_copy<o::Adagrad, o::AdagradOptions,
-                                 o::AdagradParamState>(
-        opt, [](o::AdagradParamState& s) { s.sum(copy_of(s.sum())); });
+    frozen = detail::frozen_copy<o::Adagrad, o::AdagradOptions>(opt);
   }
   if (!frozen) {
     auto bytes = optimizer_bytes(opt);

@@ -145,6 +145,35 @@ inline std::vector<int> partition_parameters(
   return owner;
 }
 
+/// PyTorch's clip_grad_norm_ over gradients sharded across `group` (each
+/// rank holds `grads`, its part): each rank's sum of its gradients' norms
+/// to the power `norm_type` (the maximum for inf), one all-reduce, each
+/// rank scales its part by max_norm / (total + 1e-6) when that is below 1.
+/// Returns the total norm (the same on every rank). ZeRO-2's and ZeRO-3's
+/// clipping.
+inline double clip_sharded_grad_norm(const dist::Group& group,
+                                     std::vector<torch::Tensor> grads,
+                                     double max_norm, double norm_type) {
+  const bool inf = std::isinf(norm_type);
+  double local = 0;
+  if (!grads.empty()) {
+    std::vector<torch::Tensor> norms;
+    for (const auto& g : grads) norms.push_back(g.detach().norm(norm_type));
+    auto n = torch::stack(norms).to(torch::kDouble);
+    local = inf ? n.max().template item<double>()
+                : n.pow(norm_type).sum().template item<double>();
+  }
+  double total = dist::all_reduce_value(
+      group, local, inf ? dist::Reduce::max : dist::Reduce::sum);
+  if (!inf) total = std::pow(total, 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1) {
+    torch::NoGradGuard no_grad;
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return total;
+}
+
 /// Bytes of the tensors an optimizer keeps for its parameters, measured
 /// from its state (SGD's momentum, Adam's and AdamW's moments, RMSprop's
 /// averages, Adagrad's sums); the state of other optimizer types counts 0.

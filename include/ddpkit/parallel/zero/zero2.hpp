@@ -3,7 +3,6 @@
 // (each bucket reduced to its owner; Note [ZeRO's ownership]).
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -177,24 +176,8 @@ struct ZeRO2 {
       for (const auto& p : unique_parameters(m)) {
         if (p.grad().defined()) grads.push_back(p.grad());
       }
-      const bool inf = std::isinf(norm_type);
-      double local = 0;
-      if (!grads.empty()) {
-        std::vector<torch::Tensor> norms;
-        for (const auto& g : grads) norms.push_back(g.detach().norm(norm_type));
-        auto n = torch::stack(norms).to(torch::kDouble);
-        local = inf ? n.max().template item<double>()
-                    : n.pow(norm_type).sum().template item<double>();
-      }
-      double total = dist::all_reduce_value(
-          this->group(), local, inf ? dist::Reduce::max : dist::Reduce::sum);
-      if (!inf) total = std::pow(total, 1.0 / norm_type);
-      const double coef = max_norm / (total + 1e-6);
-      if (coef < 1) {
-        torch::NoGradGuard no_grad;
-        for (auto& g : grads) g.mul_(coef);
-      }
-      return total;
+      return clip_sharded_grad_norm(this->group(), std::move(grads), max_norm,
+                                    norm_type);
     }
 
    private:

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -310,24 +309,8 @@ struct ZeRO3 {
       for (const auto& u : units_) {
         if (u.shard.grad().defined()) grads.push_back(u.shard.grad());
       }
-      const bool inf = std::isinf(norm_type);
-      double local = 0;
-      if (!grads.empty()) {
-        std::vector<torch::Tensor> norms;
-        for (const auto& g : grads) norms.push_back(g.detach().norm(norm_type));
-        auto n = torch::stack(norms).to(torch::kDouble);
-        local = inf ? n.max().template item<double>()
-                    : n.pow(norm_type).sum().template item<double>();
-      }
-      double total = dist::all_reduce_value(
-          group_, local, inf ? dist::Reduce::max : dist::Reduce::sum);
-      if (!inf) total = std::pow(total, 1.0 / norm_type);
-      const double coef = max_norm / (total + 1e-6);
-      if (coef < 1) {
-        torch::NoGradGuard no_grad;
-        for (auto& g : grads) g.mul_(coef);
-      }
-      return total;
+      return clip_sharded_grad_norm(group_, std::move(grads), max_norm,
+                                    norm_type);
     }
 
     /// Seconds the last step spent in its gathers and gradient reductions.
