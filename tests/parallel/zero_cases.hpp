@@ -11,10 +11,11 @@ constexpr int kZeroSteps = 50;
 constexpr int kZeroPerRank = 4;
 
 std::unique_ptr<torch::optim::Optimizer> zero_optimizer(
-    const std::string& kind, std::vector<torch::Tensor> p) {
+    const std::string& kind, std::vector<torch::Tensor> p,
+    double adam_eps = 1e-8) {
   if (kind == "adamw") {
     return std::make_unique<torch::optim::AdamW>(
-        p, torch::optim::AdamWOptions(1e-2).weight_decay(0.05));
+        p, torch::optim::AdamWOptions(1e-2).weight_decay(0.05).eps(adam_eps));
   }
   return std::make_unique<torch::optim::SGD>(
       p, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-3));
