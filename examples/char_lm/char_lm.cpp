@@ -26,9 +26,13 @@ constexpr int kSampleChars = 200;
 
 // No BatchNorm in the model, so PlainBN (nothing to convert); the loss is
 // small next to the model, so each rank evaluates its share (ShardedEval).
+// The zero build's --zero-stage 3 picks the ZeRO3 policy at run time
+// (ddpkit::cli::with_policy): each Transformer block is a unit.
+template <class Policy>
 using CharTrainer =
-    ddpkit::Trainer<char_lm::CharTransformer, Mode, ddpkit::sampling_for<Mode>,
-                    ddpkit::PlainBN, ddpkit::NoScaling, ddpkit::ShardedEval,
+    ddpkit::Trainer<char_lm::CharTransformer, Policy,
+                    ddpkit::sampling_for<Policy>, ddpkit::PlainBN,
+                    ddpkit::NoScaling, ddpkit::ShardedEval,
                     ddpkit::train::LanguageModel>;
 
 // One line of `s`: newlines, tabs and other control bytes become spaces.
@@ -129,7 +133,6 @@ int main(int argc, char** argv) {
                         .run_name("char-lm")
                         .layout_sample(torch::zeros({args.batch_size, context},
                                                     torch::kLong));
-        auto parallel = ddpkit::cli::mode_options<Mode>(args);
         // AdamW decays every tensor, LayerNorm gains and biases included
         // (the factory sees a flat list); at 0.01 that costs nothing here.
         const double lr = args.lr;
@@ -140,35 +143,42 @@ int main(int argc, char** argv) {
               params,
               torch::optim::AdamWOptions(lr).weight_decay(kWeightDecay));
         };
-        CharTrainer trainer(model, optimizer, opts, group, parallel);
-        announce(trainer);
-        auto result = trainer.fit(
-            train_set, val_set,
-            ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers));
-        if (group.is_main() && !args.quiet) {
-          double best_ppl = 0;
-          for (const auto& m : result.history) {
-            if (m.epoch == result.best_epoch) best_ppl = m.value("val_ppl");
+        return ddpkit::cli::with_policy<Mode>(args, [&]<class Policy>() {
+          CharTrainer<Policy> trainer(model, optimizer, opts, group,
+                                      ddpkit::cli::mode_options<Policy>(args));
+          announce(trainer);
+          auto result = trainer.fit(train_set, val_set,
+                                    ddpkit::data::LoaderOptions(args.batch_size)
+                                        .workers(args.workers));
+          // The sample reads the weights: whole on every rank (ZeRO-3 shards
+          // them; elsewhere this is free).
+          auto whole = trainer.whole_parameters();
+          if (group.is_main() && !args.quiet) {
+            double best_ppl = 0;
+            for (const auto& m : result.history) {
+              if (m.epoch == result.best_epoch) best_ppl = m.value("val_ppl");
+            }
+            std::printf(
+                "done: %d epochs, best %s %.4f (epoch %d, val_ppl %.2f), %.1f "
+                "s; outputs in %s\n",
+                result.epochs_run, result.monitor.name.c_str(),
+                result.best_value, result.best_epoch, best_ppl,
+                result.total_seconds, args.out.c_str());
+            if (sample_chars > 0) {
+              // From the start of a line when the text has lines; the same
+              // --seed gives the same text.
+              const std::string prompt =
+                  vocab.chars().find('\n') != std::string::npos
+                      ? std::string("\n")
+                      : text.substr(0, 1);
+              std::printf(
+                  "sample: %s\n",
+                  one_line(char_lm::sample(trainer.model(), vocab, prompt,
+                                           sample_chars, args.seed))
+                      .c_str());
+            }
           }
-          std::printf(
-              "done: %d epochs, best %s %.4f (epoch %d, val_ppl %.2f), %.1f "
-              "s; outputs in %s\n",
-              result.epochs_run, result.monitor.name.c_str(), result.best_value,
-              result.best_epoch, best_ppl, result.total_seconds,
-              args.out.c_str());
-          if (sample_chars > 0) {
-            // From the start of a line when the text has lines; the same
-            // --seed gives the same text.
-            const std::string prompt =
-                vocab.chars().find('\n') != std::string::npos
-                    ? std::string("\n")
-                    : text.substr(0, 1);
-            std::printf("sample: %s\n",
-                        one_line(char_lm::sample(trainer.model(), vocab, prompt,
-                                                 sample_chars, args.seed))
-                            .c_str());
-          }
-        }
-        return 0;
+          return 0;
+        });
       });
 }

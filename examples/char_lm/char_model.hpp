@@ -29,6 +29,7 @@
 #include "ddpkit/detail/scope_guard.hpp"
 #include "ddpkit/detail/seed.hpp"
 #include "ddpkit/detail/strings.hpp"
+#include "ddpkit/nn/unit.hpp"
 
 namespace char_lm {
 
@@ -183,6 +184,7 @@ class CharTransformerImpl : public torch::nn::Cloneable<CharTransformerImpl> {
     drop = register_module("drop", tnn::Dropout(o.dropout()));
     blocks = register_module("blocks", tnn::ModuleList());
     for (int64_t i = 0; i < o.layers(); ++i) blocks->push_back(Block(o));
+    list_units();
     ln_f = register_module("ln_f", tnn::LayerNorm(tnn::LayerNormOptions({c})));
     head = register_module("head", tnn::Linear(c, o.vocab()));
     // GPT-2's initialisation: N(0, 0.02) weights, zero biases. libtorch's
@@ -199,6 +201,15 @@ class CharTransformerImpl : public torch::nn::Cloneable<CharTransformerImpl> {
     }
   }
 
+  /// A deep copy (Cloneable's), whose own blocks are its units.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device =
+          c10::nullopt) const override {
+    auto copy = Cloneable<CharTransformerImpl>::clone(device);
+    std::dynamic_pointer_cast<CharTransformerImpl>(copy)->list_units();
+    return copy;
+  }
+
   /// idx: int64 B×T token ids, T ≤ context → float logits B×T×vocab.
   torch::Tensor forward(const torch::Tensor& idx) {
     if (idx.dim() != 2 || idx.size(1) < 1 || idx.size(1) > options.context()) {
@@ -211,7 +222,7 @@ class CharTransformerImpl : public torch::nn::Cloneable<CharTransformerImpl> {
     auto positions = torch::arange(
         t, torch::TensorOptions(torch::kLong).device(idx.device()));
     auto x = drop->forward(tok->forward(idx) + pos->forward(positions));
-    for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
+    for (auto& block : block_units) x = block(x);
     return head->forward(ln_f->forward(x));
   }
 
@@ -219,8 +230,20 @@ class CharTransformerImpl : public torch::nn::Cloneable<CharTransformerImpl> {
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   torch::nn::Dropout drop{nullptr};
   torch::nn::ModuleList blocks{nullptr};
+  /// The blocks, in order, each marked as a unit of a fully sharded model
+  /// (ddpkit/nn/unit.hpp: ZeRO-3 gathers a block's parameters for its
+  /// call; a no-op elsewhere). `blocks` holds them under their names.
+  std::vector<ddpkit::nn::Unit<Block>> block_units;
   torch::nn::LayerNorm ln_f{nullptr};
   torch::nn::Linear head{nullptr};
+
+ private:
+  void list_units() {
+    block_units.clear();
+    for (const auto& m : blocks->children()) {
+      block_units.emplace_back(Block(std::dynamic_pointer_cast<BlockImpl>(m)));
+    }
+  }
 };
 TORCH_MODULE(CharTransformer);
 

@@ -1,6 +1,7 @@
 // CIFAR-10 with a compact CNN, Adam, StepLR and early stopping: the first
 // reference recipe (single GPU → DataParallel → DDP), in C++. The mode is a
-// compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp|zero.
+// compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp|zero (the zero
+// build: --zero-stage 1|2|3).
 //
 //   ./cifar10-ddp --world-size 2          # self-spawned, 2 ranks
 //   ./cifar10-ddp --world-size 2 --comm powersgd --powersgd-rank 2
@@ -30,10 +31,12 @@ constexpr std::size_t kSyntheticTest = 1000;
 
 // The recipe uses plain BatchNorm; --sync-bn (ddp build) picks the other
 // compile-time Trainer type at run time, as the flowers example does.
-template <class BN>
+// The zero build's --zero-stage 3 picks the ZeRO3 policy at run time the
+// same way (ddpkit::cli::with_policy).
+template <class Policy, class BN>
 using TrainerWith =
-    ddpkit::Trainer<ddpkit::nn::CifarNet, Mode, ddpkit::sampling_for<Mode>, BN,
-                    ddpkit::NoScaling, ddpkit::RankZeroEval>;
+    ddpkit::Trainer<ddpkit::nn::CifarNet, Policy, ddpkit::sampling_for<Policy>,
+                    BN, ddpkit::NoScaling, ddpkit::RankZeroEval>;
 
 int main(int argc, char** argv) {
   ddpkit::cli::CommonArgs args;
@@ -138,14 +141,16 @@ int main(int argc, char** argv) {
                 .patience(kPatience)
                 .run_name("cifar10")
                 .layout_sample(torch::zeros({args.batch_size, 3, 32, 32}));
-        auto parallel = ddpkit::cli::mode_options<Mode>(args);
-        [&](auto& p) {  // generic: only the ddp build's options have comm()
+        // The policy's options (generic: only the ddp build's have comm()).
+        auto options_for = [&]<class Policy>() {
+          auto p = ddpkit::cli::mode_options<Policy>(args);
           if constexpr (requires { p.comm(); }) {
             p.comm(ddpkit::parallel::CommOptions()
                        .kind(ddpkit::parallel::parse_comm_kind(comm))
                        .powersgd(powersgd));
           }
-        }(parallel);
+          return p;
+        };
         // libtorch's Adam stepped with multi-tensor kernels (the same
         // results and checkpoints; fewer kernel launches on a GPU).
         auto optimizer = [](std::vector<torch::Tensor> params) {
@@ -156,8 +161,10 @@ int main(int argc, char** argv) {
             ddpkit::data::LoaderOptions(args.batch_size).workers(args.workers);
         ddpkit::data::CifarTrain train_tf;
         if (no_augment) train_tf.options.padding(0).flip(0).jitter(false);
-        auto run = [&]<class BN>() {
-          TrainerWith<BN> trainer(model, optimizer, opts, group, parallel);
+        auto run = [&]<class Policy, class BN>() {
+          TrainerWith<Policy, BN> trainer(
+              model, optimizer, opts, group,
+              options_for.template operator()<Policy>());
           announce(trainer);
           auto result = trainer.fit(split.train, split.val, train_tf,
                                     ddpkit::data::CifarEval{}, loader);
@@ -175,13 +182,15 @@ int main(int argc, char** argv) {
             }
           }
         };
-        if constexpr (Mode::is_multi_process) {
-          if (sync_bn) {
-            run.template operator()<ddpkit::sync_bn_for<Mode>>();
-            return 0;
+        return ddpkit::cli::with_policy<Mode>(args, [&]<class Policy>() {
+          if constexpr (Policy::is_multi_process) {
+            if (sync_bn) {
+              run.template operator()<Policy, ddpkit::sync_bn_for<Policy>>();
+              return 0;
+            }
           }
-        }
-        run.template operator()<ddpkit::PlainBN>();
-        return 0;
+          run.template operator()<Policy, ddpkit::PlainBN>();
+          return 0;
+        });
       });
 }

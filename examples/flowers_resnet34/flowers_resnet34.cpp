@@ -1,7 +1,8 @@
 // ResNet34 on flower_photos with SGD, cosine LR, SyncBN and linear LR
 // scaling: the second reference recipe (train_single_gpu.py /
 // train_multi_gpu_using_launch.py / _using_spawn.py), in C++. The mode is a
-// compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp|zero.
+// compile-time type chosen by -DDDPKIT_MODE=single|dp|ddp|zero (the zero
+// build: --zero-stage 1|2|3).
 //
 //   ./flowers-resnet34-ddp --world-size 2 --image-size 64
 //   torchrun --nproc_per_node=8 --no_python ./flowers-resnet34-ddp --data
@@ -33,10 +34,12 @@ constexpr int kImageSize = 224;
 // The recipe's --syncBN (default on): a run-time choice between two
 // compile-time Trainer types. SyncBN needs several processes, so the single
 // and dp builds always use plain BN.
-template <class BN>
+// The zero build's --zero-stage 3 picks the ZeRO3 policy at run time the
+// same way (ddpkit::cli::with_policy).
+template <class Policy, class BN>
 using TrainerWith =
-    ddpkit::Trainer<ddpkit::nn::ResNet, Mode, ddpkit::sampling_for<Mode>, BN,
-                    ddpkit::LinearScaling, ddpkit::ShardedEval>;
+    ddpkit::Trainer<ddpkit::nn::ResNet, Policy, ddpkit::sampling_for<Policy>,
+                    BN, ddpkit::LinearScaling, ddpkit::ShardedEval>;
 
 int main(int argc, char** argv) {
   namespace fs = std::filesystem;
@@ -199,16 +202,21 @@ int main(int argc, char** argv) {
         train_tf.options.size(image_size).augment(!no_augment);
         ddpkit::data::ImageNetEval eval_tf;
         eval_tf.size = image_size;
-        auto fit = [&]<class BN>() {
-          TrainerWith<BN> trainer(model, make_optimizer, opts, group,
-                                  ddpkit::cli::mode_options<Mode>(args));
+        auto fit = [&]<class Policy, class BN>() {
+          TrainerWith<Policy, BN> trainer(
+              model, make_optimizer, opts, group,
+              ddpkit::cli::mode_options<Policy>(args));
           announce(trainer);
           return trainer.fit(folder.train, folder.val, train_tf, eval_tf,
                              loader);
         };
         const auto result =
-            sync_bn ? fit.template operator()<ddpkit::sync_bn_for<Mode>>()
-                    : fit.template operator()<ddpkit::PlainBN>();
+            ddpkit::cli::with_policy<Mode>(args, [&]<class Policy>() {
+              return sync_bn
+                         ? fit.template
+                           operator()<Policy, ddpkit::sync_bn_for<Policy>>()
+                         : fit.template operator()<Policy, ddpkit::PlainBN>();
+            });
         if (group.is_main() && !args.quiet) {
           std::printf(
               "done: %d epochs, best %s %.4f (epoch %d), %.1f s; outputs in "

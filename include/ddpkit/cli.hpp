@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <torch/torch.h>
 
@@ -257,16 +258,32 @@ template <class Mode>
 constexpr bool has_zero_stage =
     requires(typename Mode::options_type o) { o.stage(1); };
 
-/// The options only some modes have: `--zero-stage 1|2` in a ZeRO build.
+/// The options only some modes have: `--zero-stage 1|2|3` in a ZeRO build.
 template <class Mode>
 void add_mode_options(CLI::App& app, CommonArgs& args) {
   if constexpr (has_zero_stage<Mode>) {
     app.add_option("--zero-stage", args.zero_stage,
-                   "ZeRO stage: 2 shards the optimizer state and the "
-                   "gradients across processes, 1 the optimizer state only")
-        ->check(CLI::IsMember({1, 2}))
+                   "ZeRO stage: 1 shards the optimizer state across "
+                   "processes, 2 the gradients too, 3 the parameters too "
+                   "(each nn::Unit of the model gathered for its call)")
+        ->check(CLI::IsMember({1, 2, 3}))
         ->capture_default_str();
   }
+}
+
+/// Calls `f.template operator()<Policy>()` with the parallel policy the
+/// command line chose: in a build whose `Mode` takes a ZeRO stage
+/// (parallel::ZeRO2), `--zero-stage 3` runs parallel::ZeRO3 (a separate
+/// policy: the parameters sharded by unit); otherwise `Mode`. Returns what
+/// `f` returns.
+template <class Mode, class F>
+decltype(auto) with_policy(const CommonArgs& args, F&& f) {
+  if constexpr (has_zero_stage<Mode>) {
+    if (args.zero_stage == 3) {
+      return std::forward<F>(f).template operator()<parallel::ZeRO3>();
+    }
+  }
+  return std::forward<F>(f).template operator()<Mode>();
 }
 
 /// `Mode`'s options as the command line chose them (DataParallel's
@@ -279,10 +296,11 @@ typename Mode::options_type mode_options(const CommonArgs& args) {
 }
 
 /// The mode's name as summary.json gives it ("zero1" for a ZeRO build at
-/// stage 1).
+/// stage 1, "zero3" at stage 3).
 template <class Mode>
 std::string mode_name(const CommonArgs& args) {
   if constexpr (has_zero_stage<Mode>) {
+    if (args.zero_stage == 3) return parallel::ZeRO3::name;
     return Mode::name_of_stage(args.zero_stage);
   }
   return Mode::name;

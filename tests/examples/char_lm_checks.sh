@@ -13,11 +13,12 @@
 #     BINARY ARGS (e.g. the ddp build with --world-size 2) for 2 epochs:
 #     validation perplexity falls from epoch 1 to 2, metrics.jsonl has the
 #     task's columns, and a sample line is printed.
-#   char_lm_checks.sh resume OUT DDP
+#   char_lm_checks.sh resume OUT DDP [ARGS...]
 #     DDP at world 2 for 2 epochs, uninterrupted; then again with a
 #     checkpoint every 4 batches, its process group sent SIGTERM once the
 #     first is written, so it ends mid-epoch (checked in last.pt), and
-#     resumed with --resume auto: the final weights are bit-identical.
+#     resumed with --resume auto: the final weights are bit-identical
+#     (ARGS added to every run, e.g. --zero-stage 3 for the zero build).
 set -euo pipefail
 mode=$1 out=$2
 here=$(dirname "$0")
@@ -64,7 +65,7 @@ PY
     ;;
   resume)
     ddp=$3
-    args=("${common[@]}" --epochs 2 --world-size 2 --batch-size 8 --threads 1 --sample-chars 0)
+    args=("${common[@]}" --epochs 2 --world-size 2 --batch-size 8 --threads 1 --sample-chars 0 "${@:4}")
     "$ddp" --out "$out/full" "${args[@]}"
     setsid "$ddp" --out "$out/cut" "${args[@]}" --checkpoint-every 4 &
     pid=$!

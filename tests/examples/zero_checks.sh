@@ -11,6 +11,11 @@
 #     a ZeRO run's checkpoint (1 epoch, world 2) resumes in the DDP build
 #     (world 2, to epoch 2), and a DDP checkpoint in the ZeRO build (to
 #     epoch 3): one format for both.
+#   zero_checks.sh reshard OUT ZERO_BIN SINGLE_BIN DDP_BIN ARGS...
+#     a ZeRO-3 checkpoint (--zero-stage 3, world 2, epoch 1) resumes in
+#     one process (to epoch 2), that one under DDP at world 2 (epoch 3)
+#     and that one under ZeRO-3 at world 4 (epoch 4): the parameters'
+#     shards of any world size are written and read as DDP's whole state.
 set -euo pipefail
 source "$(dirname "$0")/torch_python.sh"
 mode=$1
@@ -93,5 +98,25 @@ if epochs != [1, 2, 3]:
 print("ok: ZeRO -> DDP -> ZeRO resumed through epochs", epochs)
 PY
     ;;
-  *) echo "usage: zero_checks.sh memory|resume ..." >&2; exit 2 ;;
+  reshard)
+    out=$1 zero=$2 single=$3 ddp=$4
+    shift 4
+    rm -rf "$out"
+    "$zero" --zero-stage 3 --world-size 2 --epochs 1 --out "$out" "$@"
+    grep -q '"mode": "zero3"' "$out/summary.json" ||
+      { echo "FAILED: the first run's summary.json does not say zero3"; exit 1; }
+    "$single" --epochs 2 --resume auto --resume-allow-changes --out "$out" "$@"
+    "$ddp" --world-size 2 --epochs 3 --resume auto --resume-allow-changes --out "$out" "$@"
+    "$zero" --zero-stage 3 --world-size 4 --epochs 4 --resume auto --resume-allow-changes --out "$out" "$@"
+    "$py" - "$out" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
+epochs = [r["epoch"] for r in rows]
+if epochs != [1, 2, 3, 4]:
+    sys.exit(f"FAILED: metrics.jsonl epochs {epochs}, expected [1, 2, 3, 4]")
+print("ok: ZeRO-3 (world 2) -> one process -> DDP (world 2) -> ZeRO-3 "
+      "(world 4) resumed through epochs", epochs)
+PY
+    ;;
+  *) echo "usage: zero_checks.sh memory|resume|reshard ..." >&2; exit 2 ;;
 esac

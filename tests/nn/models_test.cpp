@@ -60,6 +60,18 @@ TEST_SUITE("nn") {
     auto copy = std::dynamic_pointer_cast<nn::ResNetImpl>(r18->clone());
     REQUIRE(copy);
     CHECK(torch::equal(copy->forward(x), r18->forward(x)));
+    // Each block is a ZeRO-3 unit, the clone's own blocks too (forward
+    // calls the blocks through the list of units).
+    for (auto* net : {r18.get(), copy.get()}) {
+      for (auto* layer : {&net->layer1, &net->layer4}) {
+        for (const auto& block : (*layer)->children()) {
+          CHECK(nn::is_unit(*block));
+        }
+      }
+    }
+    nn::CifarNet cifar;
+    CHECK(nn::is_unit(*cifar->features.ptr()));
+    CHECK(nn::is_unit(*cifar->classifier.ptr()));
     nn::CifarNet net(nn::CifarNetOptions(10));
     net->eval();
     CHECK(net->forward(torch::randn({2, 3, 32, 32})).sizes() ==

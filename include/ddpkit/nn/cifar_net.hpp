@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "ddpkit/nn/batch_norm.hpp"
+#include "ddpkit/nn/unit.hpp"
 
 namespace ddpkit::nn {
 
@@ -82,12 +83,13 @@ class CifarNetImpl : public torch::nn::Cloneable<CifarNetImpl> {
   }
 
   torch::Tensor forward(torch::Tensor x) {
-    return classifier->forward(features->forward(x).flatten(1));
+    return classifier(features(x).flatten(1));
   }
 
   CifarNetOptions options;
-  torch::nn::Sequential features{nullptr};
-  torch::nn::Sequential classifier{nullptr};
+  // Each a unit of a fully sharded model (nn/unit.hpp; a no-op elsewhere).
+  ddpkit::nn::Unit<torch::nn::Sequential> features{nullptr};
+  ddpkit::nn::Unit<torch::nn::Sequential> classifier{nullptr};
 };
 TORCH_MODULE(CifarNet);
 

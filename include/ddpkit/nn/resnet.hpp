@@ -12,6 +12,7 @@
 
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/nn/batch_norm.hpp"
+#include "ddpkit/nn/unit.hpp"
 
 namespace ddpkit::nn {
 
@@ -174,6 +175,7 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
     layer4 = register_module("layer4", make_layer(512, options.layers()[3], 2));
     fc = register_module("fc",
                          tnn::Linear(512 * expansion(), options.num_classes()));
+    list_units();
 
     torch::NoGradGuard no_grad;
     for (auto& m : modules(/*include_self=*/false)) {
@@ -196,9 +198,23 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
   torch::Tensor forward(torch::Tensor x) {
     x = (bn1->forward(conv1->forward(x))).relu_();
     x = torch::max_pool2d(x, 3, 2, 1);
-    x = layer4->forward(layer3->forward(layer2->forward(layer1->forward(x))));
+    // layer1..layer4, block by block: each block is a ZeRO-3 unit.
+    if (options.bottleneck()) {
+      for (auto& block : bottleneck_units_) x = block(x);
+    } else {
+      for (auto& block : basic_units_) x = block(x);
+    }
     x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
     return fc->forward(x);
+  }
+
+  /// A deep copy (Cloneable's), whose own blocks are its units.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device =
+          c10::nullopt) const override {
+    auto copy = Cloneable<ResNetImpl>::clone(device);
+    std::dynamic_pointer_cast<ResNetImpl>(copy)->list_units();
+    return copy;
   }
 
   int64_t expansion() const {
@@ -228,7 +244,26 @@ class ResNetImpl : public torch::nn::Cloneable<ResNetImpl> {
     }
     return seq;
   }
+  // The blocks of layer1..layer4, listed (and marked) as units.
+  void list_units() {
+    basic_units_.clear();
+    bottleneck_units_.clear();
+    for (auto* layer : {&layer1, &layer2, &layer3, &layer4}) {
+      for (const auto& m : (*layer)->children()) {
+        if (auto b = std::dynamic_pointer_cast<BottleneckImpl>(m)) {
+          bottleneck_units_.emplace_back(Bottleneck(b));
+        } else if (auto c = std::dynamic_pointer_cast<BasicBlockImpl>(m)) {
+          basic_units_.emplace_back(BasicBlock(c));
+        }
+      }
+    }
+  }
   int64_t inplanes_ = 64;
+  // The blocks of layer1..layer4 in order, each marked as a unit of a
+  // fully sharded model (nn/unit.hpp; a no-op elsewhere). The Sequentials
+  // hold them under torchvision's names; forward calls them through these.
+  std::vector<ddpkit::nn::Unit<BasicBlock>> basic_units_;
+  std::vector<ddpkit::nn::Unit<Bottleneck>> bottleneck_units_;
 };
 TORCH_MODULE(ResNet);
 

@@ -140,19 +140,24 @@ class Unit {
   Unit(std::shared_ptr<typename Holder::ContainedType> module)  // NOLINT
       : Unit(Holder(std::move(module))) {}
 
-  /// Calls the module (its `forward`): under a ZeRO3 engine's forward, its
-  /// parameters are gathered for the call.
+  /// Calls the module's `forward` (Sequential's: returning a tensor):
+  /// under a ZeRO3 engine's forward, its parameters are gathered for the
+  /// call.
   template <class... Args>
   decltype(auto) operator()(Args&&... args) {
     auto* calls = detail::active_unit_calls();
-    if (!calls) return holder_(std::forward<Args>(args)...);
-    const torch::nn::Module& m = *holder_.ptr();
-    calls->before_unit(m);
-    using R = decltype(holder_(std::forward<Args>(args)...));
+    using R = decltype(holder_->forward(std::forward<Args>(args)...));
     if constexpr (std::is_same_v<std::decay_t<R>, torch::Tensor>) {
-      return calls->after_unit(m, holder_(std::forward<Args>(args)...));
+      if (!calls) return holder_->forward(std::forward<Args>(args)...);
+      const torch::nn::Module& m = *holder_.ptr();
+      calls->before_unit(m);
+      return calls->after_unit(m,
+                               holder_->forward(std::forward<Args>(args)...));
     } else {
-      decltype(auto) out = holder_(std::forward<Args>(args)...);
+      if (!calls) return holder_->forward(std::forward<Args>(args)...);
+      const torch::nn::Module& m = *holder_.ptr();
+      calls->before_unit(m);
+      decltype(auto) out = holder_->forward(std::forward<Args>(args)...);
       calls->keep_unit(m);
       return out;
     }

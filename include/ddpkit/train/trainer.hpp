@@ -293,6 +293,25 @@ class Trainer : private CheckpointWriter {
         });
   }
 
+  /// An engine whose parameters are sharded (ZeRO3).
+  static constexpr bool shards_parameters =
+      parallel::declares<engine_type, parallel::capability::shards_parameters>;
+
+  /// Every rank at once (a collective under ZeRO3): while the returned
+  /// guard lives, `model()` holds every parameter whole, to be read (a
+  /// sample, an export) outside `fit` and `evaluate`, which do this
+  /// themselves. `write_back`: changes made to them under the guard are
+  /// kept (each rank's part copied into its shards). Null and free under
+  /// an engine that does not shard the parameters.
+  auto whole_parameters(bool write_back = false) {
+    if constexpr (shards_parameters) {
+      return engine_.whole_parameters(write_back);
+    } else {
+      (void)write_back;
+      return std::unique_ptr<int>();
+    }
+  }
+
   Model& model() {
     return engine_.module();
   }
@@ -559,21 +578,6 @@ class Trainer : private CheckpointWriter {
   }
   void then(std::function<void()> fn) override {
     checkpoints_.then(std::move(fn));
-  }
-
-  /// An engine whose parameters are sharded (ZeRO3).
-  static constexpr bool shards_parameters =
-      parallel::declares<engine_type, parallel::capability::shards_parameters>;
-
-  /// Every rank: under an engine that shards the parameters, a guard while
-  /// they are whole (null otherwise).
-  auto whole_parameters(bool write_back = false) {
-    if constexpr (shards_parameters) {
-      return engine_.whole_parameters(write_back);
-    } else {
-      (void)write_back;
-      return std::unique_ptr<int>();
-    }
   }
 
   /// Every rank, before rank 0 writes a checkpoint: an engine that shards
