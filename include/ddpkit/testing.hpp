@@ -5,4 +5,5 @@
 #pragma once
 
 #include "ddpkit/testing/jpeg_folder_generator.hpp"
+#include "ddpkit/testing/memory_cap.hpp"
 #include "ddpkit/testing/synthetic.hpp"

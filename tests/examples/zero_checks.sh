@@ -16,6 +16,9 @@
 #     one process (to epoch 2), that one under DDP at world 2 (epoch 3)
 #     and that one under ZeRO-3 at world 4 (epoch 4): the parameters'
 #     shards of any world size are written and read as DDP's whole state.
+#     At world 4 each rank's parameters + gradients + optimizer state (as
+#     summary.json counts them) are within a quarter of DDP's plus two of
+#     the largest unit, and its parameters between steps below a third.
 set -euo pipefail
 source "$(dirname "$0")/torch_python.sh"
 mode=$1
@@ -103,19 +106,50 @@ PY
     shift 4
     rm -rf "$out"
     "$zero" --zero-stage 3 --world-size 2 --epochs 1 --out "$out" "$@"
-    grep -q '"mode": "zero3"' "$out/summary.json" ||
-      { echo "FAILED: the first run's summary.json does not say zero3"; exit 1; }
+    cp "$out/summary.json" "$out/summary-zero3-w2.json"
     "$single" --epochs 2 --resume auto --resume-allow-changes --out "$out" "$@"
     "$ddp" --world-size 2 --epochs 3 --resume auto --resume-allow-changes --out "$out" "$@"
+    cp "$out/summary.json" "$out/summary-ddp-w2.json"
     "$zero" --zero-stage 3 --world-size 4 --epochs 4 --resume auto --resume-allow-changes --out "$out" "$@"
     "$py" - "$out" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
+out = sys.argv[1]
+rows = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
 epochs = [r["epoch"] for r in rows]
 if epochs != [1, 2, 3, 4]:
     sys.exit(f"FAILED: metrics.jsonl epochs {epochs}, expected [1, 2, 3, 4]")
 print("ok: ZeRO-3 (world 2) -> one process -> DDP (world 2) -> ZeRO-3 "
       "(world 4) resumed through epochs", epochs)
+modes = [json.load(open(f"{out}/{f}"))["mode"]
+         for f in ("summary-zero3-w2.json", "summary-ddp-w2.json", "summary.json")]
+if modes != ["zero3", "ddp", "zero3"]:
+    sys.exit(f"FAILED: summary.json modes {modes}, expected zero3, ddp, zero3")
+# The ZeRO paper's bound at world 4: a rank's parameters + gradients +
+# optimizer state within a quarter of DDP's plus two of the largest unit
+# (the one gathered and the next; parameter_gather is the largest unit's
+# whole buffer).
+ddp = json.load(open(f"{out}/summary-ddp-w2.json"))["memory_bytes_per_rank"]
+z3 = json.load(open(f"{out}/summary.json"))["memory_bytes_per_rank"]
+MiB = 2**20
+whole = ddp["parameters"][0] + ddp["gradients_peak"][0] + ddp["optimizer_state"][0]
+bad = []
+for r in range(4):
+    mine = z3["parameters"][r] + z3["gradients_peak"][r] + z3["optimizer_state"][r]
+    bound = whole / 4 + 2 * z3["parameter_gather"][r]
+    print(f"rank {r}: parameters {z3['parameters'][r] / MiB:.1f} + gradients "
+          f"{z3['gradients_peak'][r] / MiB:.1f} + optimizer state "
+          f"{z3['optimizer_state'][r] / MiB:.1f} = {mine / MiB:.1f} MiB; DDP "
+          f"{whole / MiB:.1f} / 4 + 2 x largest unit "
+          f"{z3['parameter_gather'][r] / MiB:.1f} = {bound / MiB:.1f}; measured "
+          f"step peak {z3['step_peak_proportional'][r] / MiB:.1f} (DDP world 2: "
+          f"{ddp['step_peak_proportional'][min(r, 1)] / MiB:.1f})")
+    if not 0 < mine <= bound:
+        bad.append(f"rank {r} holds {mine / MiB:.1f} MiB, over {bound / MiB:.1f}")
+    if not z3["parameters"][r] < ddp["parameters"][0] / 3:
+        bad.append(f"rank {r} keeps {z3['parameters'][r] / MiB:.1f} MiB of "
+                   f"parameters between steps (DDP {ddp['parameters'][0] / MiB:.1f})")
+if bad:
+    sys.exit("FAILED: " + "; ".join(bad))
 PY
     ;;
   *) echo "usage: zero_checks.sh memory|resume|reshard ..." >&2; exit 2 ;;

@@ -49,6 +49,15 @@
   (TORCH_VERSION_MAJOR > (major) ||         \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+// c10::Allocator::allocate is const before libtorch 2.3 (and has no
+// copy_data to override); written `allocate(n) DDPKIT_ALLOCATOR_CONST
+// override`. Checked against 1.13 and 2.11.
+#if DDPKIT_TORCH_AT_LEAST(2, 3)
+#define DDPKIT_ALLOCATOR_CONST
+#else
+#define DDPKIT_ALLOCATOR_CONST const
+#endif
+
 namespace ddpkit::compat {
 
 // Note [Two libtorch versions, one place for the difference]

@@ -24,7 +24,10 @@ namespace ddpkit::train {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Memory is counted from the tensors, and measured by the kernel
 // (`FitResult::memory`, summary.json's `memory_bytes_per_rank`, gathered from
-// every rank at the fit's end). Counted by ddpkit: `optimizer_state` — the
+// every rank at the fit's end). Counted by ddpkit: `parameters` — the bytes
+// of parameters a rank keeps between steps (each tensor once; under ZeRO3
+// its shards, the units' whole parameters being released after use);
+// `optimizer_state` — the
 // bytes of the tensors in the optimizer's state (`optimizer_state_bytes`:
 // SGD's momentum, Adam's and AdamW's moments, RMSprop's, Adagrad's; a
 // ShardedOptimizer's shard); `gradients_peak` — the reducer's largest
@@ -56,10 +59,23 @@ FitResult::Memory measure_memory(Engine& engine,
                                  const torch::optim::Optimizer* optimizer,
                                  const StepMemory& steps,
                                  const dist::Group* group) {
-  const double state =
-      optimizer ? static_cast<double>(
-                      parallel::local_optimizer_state_bytes(*optimizer))
-                : 0.0;
+  double state = optimizer
+                     ? static_cast<double>(
+                           parallel::local_optimizer_state_bytes(*optimizer))
+                     : 0.0;
+  double params = 0;
+  if constexpr (parallel::declares<Engine,
+                                   parallel::capability::shards_parameters>) {
+    // Its shards (the model's own tensors are released between steps) and
+    // the state of the user's optimizer over them.
+    params = static_cast<double>(engine.shard_bytes());
+    state = static_cast<double>(engine.optimizer_state_bytes());
+  } else {
+    for (const auto& p :
+         parallel::unique_parameters(parallel::as_module(engine.module()))) {
+      params += static_cast<double>(p.numel() * p.element_size());
+    }
+  }
   double grads = 0, gather = 0;
   if constexpr (parallel::declares<Engine,
                                    parallel::capability::measures_gradients>) {
@@ -78,8 +94,8 @@ FitResult::Memory measure_memory(Engine& engine,
   const auto device = static_cast<double>(steps.peak_device());
   FitResult::Memory m;
   m.peaks_per_step = steps.per_step();
-  std::vector<double> mine{state,    grads,        gather,
-                           resident, proportional, device};
+  std::vector<double> mine{state,        grads,  gather, resident,
+                           proportional, device, params};
   std::vector<torch::Tensor> all{torch::tensor(mine, torch::kFloat64)};
   if (group) {
     dist::CollectiveTag tag("memory report");
@@ -94,6 +110,7 @@ FitResult::Memory measure_memory(Engine& engine,
     m.peak_resident.push_back(at(3));
     m.peak_proportional.push_back(at(4));
     m.device_peak.push_back(at(5));
+    m.parameters.push_back(at(6));
   }
   return m;
 }

@@ -54,7 +54,8 @@ struct FitResult {
   /// shared memory counted by the rank's share, and on a CUDA device the
   /// caching allocator's peak of allocated bytes during a step (0 on CPU).
   struct Memory {
-    std::vector<double> optimizer_state, gradients_peak, parameter_gather;
+    std::vector<double> parameters, optimizer_state, gradients_peak,
+        parameter_gather;
     std::vector<double> peak_resident, peak_proportional, device_peak;
     /// false: the kernel would not reset the high-water mark, so the
     /// resident peaks run from each process's start.
@@ -166,7 +167,8 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
   }
   if (!r.memory.optimizer_state.empty()) {
     ddpkit::detail::JsonObject mem;
-    mem.raw("optimizer_state", detail::json_array(r.memory.optimizer_state))
+    mem.raw("parameters", detail::json_array(r.memory.parameters))
+        .raw("optimizer_state", detail::json_array(r.memory.optimizer_state))
         .raw("gradients_peak", detail::json_array(r.memory.gradients_peak))
         .raw("parameter_gather", detail::json_array(r.memory.parameter_gather))
         .raw("step_peak_resident", detail::json_array(r.memory.peak_resident))

@@ -147,8 +147,9 @@ struct ZeRO3 {
       m.to(device_);
       verify_same_structure(group_, m);
       if (group_.size() > 1) {
-        // Ranks that initialised differently start identical.
-        broadcast_coalesced(group_, unique_parameters(m), 0);
+        // Ranks that initialised differently start identical: the buffers
+        // here, the parameters unit by unit as they are flattened (one
+        // unit's bytes at a time, not the whole model's again).
         broadcast_coalesced(group_, m.buffers(), 0);
       }
       build_units();
@@ -496,6 +497,7 @@ struct ZeRO3 {
             p.set_data(view);
             if (p.requires_grad()) ++u.trainable;
           }
+          if (w > 1) dist::broadcast(group_, u.full, 0);
           u.shard = u.full.narrow(0, r * chunk, chunk).clone();
         }
         u.shard.set_requires_grad(u.trainable > 0);
