@@ -2,6 +2,10 @@
 // processes (spawned through ddpkit's own launcher), and temp folders.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
 #include "doctest_torch.hpp"
 
 #include <chrono>
@@ -20,6 +24,13 @@
 #include "ddpkit/distributed.hpp"
 
 namespace ddpkit::test {
+
+/// The larger of a running maximum and `d`, where a NaN `d` is infinitely
+/// large (std::max(0.0, NaN) is 0.0: a NaN weight would pass a tolerance).
+inline double worse(double worst, double d) {
+  return std::isnan(d) ? std::numeric_limits<double>::infinity()
+                       : std::max(worst, d);
+}
 
 using WorkerFn = int (*)();
 

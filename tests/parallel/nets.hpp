@@ -1,6 +1,8 @@
 // Small deterministic models and data for the parallel-engine tests.
 #pragma once
 
+#include <limits>
+
 #include <torch/torch.h>
 
 #include "ddpkit/nn/batch_norm.hpp"
@@ -131,8 +133,15 @@ inline torch::optim::SGD make_sgd(torch::nn::Module& m) {
                            torch::optim::SGDOptions(0.1).momentum(0.9));
 }
 
-/// Largest |a-b| over largest |b| (0 when b is all zero and a equals it).
+/// Largest |a-b| over largest |b| (0 when b is all zero and a equals it);
+/// infinity when either holds a NaN or an infinity (so that a maximum over
+/// several, and a `d <= tol` check, cannot pass over it: std::max(0, NaN)
+/// is 0).
 inline double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  if (!torch::isfinite(a).all().item<bool>() ||
+      !torch::isfinite(b).all().item<bool>()) {
+    return std::numeric_limits<double>::infinity();
+  }
   auto d = (a.to(torch::kFloat64) - b.to(torch::kFloat64))
                .abs()
                .max()

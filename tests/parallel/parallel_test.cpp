@@ -388,8 +388,8 @@ DDPKIT_WORKER(amp_unscale) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (!before[i].defined()) continue;
       ++held;
-      worst =
-          std::max(worst, test::rel_diff(params[i].grad(), before[i] / scale1));
+      worst = test::worse(worst,
+                          test::rel_diff(params[i].grad(), before[i] / scale1));
     }
     std::ofstream(test::worker_dir() / ("amp" + std::to_string(r)))
         << step1 << " " << scale1 << " " << step2 << " " << worst << " " << held
@@ -1495,7 +1495,7 @@ TEST_SUITE("parallel") {
         auto u = mean.mv(v);
         u = u / u.norm();
         const auto want = torch::outer(u, u).mm(mean);
-        worst_step = std::max(worst_step, test::rel_diff(got, want));
+        worst_step = test::worse(worst_step, test::rel_diff(got, want));
       }
       std::string errs;
       for (double e : err) errs += " " + std::to_string(e);

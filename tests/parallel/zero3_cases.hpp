@@ -17,7 +17,8 @@ constexpr int kZero3Steps = 20;
 /// (ZeRO-3: with every unit gathered), and for ZeRO-3 `mem{r}`: the bytes
 /// of its shards, of the whole model's parameters, the most bytes held
 /// gathered at once, the largest unit's and the root unit's bytes, and
-/// whether the parameters' memory was released between steps (1/0).
+/// whether the parameters' memory was released between steps (1/0), and
+/// the gathers prefetched (`T_PREFETCH=0`: prefetch off).
 template <class Net>
 int zero3_run(Net net, const dist::Group& g, const std::string& mode) {
   const int r = g.rank(), w = g.size();
@@ -96,6 +97,7 @@ int zero3_run(Net net, const dist::Group& g, const std::string& mode) {
   if (mode == "zero3") {
     parallel::ZeRO3Options o;
     o.reshard_after_forward(env_or("T_KEEP", "0") != "1");
+    o.prefetch(env_or("T_PREFETCH", "1") == "1");
     typename parallel::ZeRO3::template engine<Net> eng(net, g, o, torch::kCPU);
     auto opt = eng.make_optimizer(factory);
     run(eng, *opt, [&] {
@@ -127,7 +129,8 @@ int zero3_run(Net net, const dist::Group& g, const std::string& mode) {
     }
     std::ofstream(dir / ("mem" + std::to_string(r)))
         << eng.shard_bytes() << " " << whole << " " << eng.peak_gathered_bytes()
-        << " " << largest << " " << root << " " << (released ? 1 : 0);
+        << " " << largest << " " << root << " " << (released ? 1 : 0) << " "
+        << eng.prefetches();
     auto whole_params = eng.whole_parameters();
     torch::save(net, out.string());
   } else {
@@ -167,12 +170,13 @@ TEST_SUITE("parallel") {
     struct Case {
       int world;
       const char* opt;
-      bool accum, clip, bn, tied, keep;
+      bool accum, clip, bn, tied, keep, prefetch;
     };
-    for (const Case& c : {Case{2, "sgd", false, false, false, false, false},
-                          Case{2, "adamw", true, true, false, true, false},
-                          Case{2, "sgd", false, true, true, false, true},
-                          Case{4, "adamw", true, false, true, true, false}}) {
+    for (const Case& c :
+         {Case{2, "sgd", false, false, false, false, false, false},
+          Case{2, "adamw", true, true, false, true, false, true},
+          Case{2, "sgd", false, true, true, false, true, true},
+          Case{4, "adamw", true, false, true, true, false, true}}) {
       CAPTURE(c.world);
       CAPTURE(c.opt);
       CAPTURE(c.accum);
@@ -180,6 +184,7 @@ TEST_SUITE("parallel") {
       CAPTURE(c.bn);
       CAPTURE(c.tied);
       CAPTURE(c.keep);
+      CAPTURE(c.prefetch);
       TempDir ddp, zero3;
       std::vector<std::pair<std::string, std::string>> env{
           {"T_OPT", c.opt},
@@ -187,7 +192,8 @@ TEST_SUITE("parallel") {
           {"T_CLIP", c.clip ? "1" : "0"},
           {"T_BN", c.bn ? "1" : "0"},
           {"T_TIED", c.tied ? "1" : "0"},
-          {"T_KEEP", c.keep ? "1" : "0"}};
+          {"T_KEEP", c.keep ? "1" : "0"},
+          {"T_PREFETCH", c.prefetch ? "1" : "0"}};
       auto with = [&](const char* mode) {
         auto e = env;
         e.emplace_back("T_MODE", mode);
@@ -211,21 +217,26 @@ TEST_SUITE("parallel") {
         CAPTURE(r);
         auto got = load(zero3 / ("net" + std::to_string(r) + ".pt"));
         const double d = test::max_state_diff(*got, *want);
-        uint64_t shard = 0, peak = 0, largest = 0, root = 0, released = 0;
+        uint64_t shard = 0, peak = 0, largest = 0, root = 0, released = 0,
+                 prefetched = 0;
         std::ifstream(zero3 / ("mem" + std::to_string(r))) >> shard >> whole >>
-            peak >> largest >> root >> released;
+            peak >> largest >> root >> released >> prefetched;
         MESSAGE("ZeRO-3 ", std::string(c.opt),
                 std::string(c.accum ? " accumulate" : ""),
                 std::string(c.clip ? " clip" : ""),
                 std::string(c.bn ? " SyncBN" : ""),
                 std::string(c.tied ? " tied" : ""),
-                std::string(c.keep ? " keep-after-forward" : ""), " world ",
-                c.world, " rank ", r, ": max relative difference from DDP ", d,
+                std::string(c.keep ? " keep-after-forward" : ""),
+                std::string(c.prefetch ? " prefetch" : ""), " world ", c.world,
+                " rank ", r, ": max relative difference from DDP ", d,
                 "; shard ", shard, " of ", whole,
                 " parameter bytes; most gathered at once ", peak,
-                " (largest unit ", largest, ", root ", root, ")");
+                " (largest unit ", largest, ", root ", root, "); ", prefetched,
+                " gathers prefetched");
         CHECK(d <= 1e-6);
         CHECK(released == 1);
+        // From the second step on, each unit but the first of a phase.
+        CHECK((prefetched > 0) == c.prefetch);
         total += shard;
         // Padding: at most world - 1 elements a unit.
         CHECK(shard <= whole / c.world + 4 * 4 * c.world);

@@ -463,7 +463,7 @@ TEST_SUITE("parallel") {
         REQUIRE(got.size() == ddp_state.size());
         double worst = 0;
         for (std::size_t k = 0; k < got.size(); ++k) {
-          worst = std::max(worst, test::rel_diff(got[k], ddp_state[k]));
+          worst = test::worse(worst, test::rel_diff(got[k], ddp_state[k]));
         }
         CHECK(worst <= 1e-6);
       }

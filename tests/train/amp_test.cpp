@@ -83,8 +83,8 @@ double foreach_vs_libtorch(const Options& opts, torch::Device device,
     // The same in-place operations on the parameter as libtorch's loop
     // (none recorded by autograd).
     CHECK(a[i]._version() == b[i]._version());
-    worst = std::max(worst,
-                     (a[i] - b[i]).abs().max().to(torch::kCPU).item<double>());
+    worst = test::worse(
+        worst, (a[i] - b[i]).abs().max().to(torch::kCPU).item<double>());
   }
   return worst;
 }
@@ -129,7 +129,7 @@ double foreach_adam_worst(torch::Device device) {
         foreach_vs_libtorch<parallel::ForeachAdam, torch::optim::Adam>(adam[k],
                                                                        device);
     MESSAGE("ForeachAdam vs Adam, variant ", k, ": ", d);
-    worst = std::max(worst, d);
+    worst = test::worse(worst, d);
   }
   const auto adamw = adamw_variants();
   for (std::size_t k = 0; k < adamw.size(); ++k) {
@@ -138,7 +138,7 @@ double foreach_adam_worst(torch::Device device) {
         foreach_vs_libtorch<parallel::ForeachAdamW, torch::optim::AdamW>(
             adamw[k], device);
     MESSAGE("ForeachAdamW vs AdamW, variant ", k, ": ", d);
-    worst = std::max(worst, d);
+    worst = test::worse(worst, d);
   }
   return worst;
 }

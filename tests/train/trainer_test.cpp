@@ -1773,7 +1773,7 @@ TEST_SUITE("train") {
       double worst = 0;
       auto a = once->named_parameters(), b = twice->named_parameters();
       for (const auto& kv : a) {
-        worst = std::max(worst, rel_diff(kv.value(), b[kv.key()]));
+        worst = test::worse(worst, rel_diff(kv.value(), b[kv.key()]));
       }
       MESSAGE("clip ", clip, ": registered twice against once: ", worst);
       CHECK(worst <= 1e-6);

@@ -191,12 +191,12 @@ inline std::vector<torch::Tensor> all_gather(const Group& g,
   return out[0];
 }
 
-/// Gathers every rank's `part` (same numel and dtype on every rank) into
-/// `whole`, contiguous and `world × part.numel()` long: rank q's part lands
-/// at [q * n, (q + 1) * n). Blocking. (ZeRO-3's gather of a unit: `whole`
-/// is the unit's flat parameters.)
-inline void all_gather_into(const Group& g, const torch::Tensor& part,
-                            torch::Tensor& whole) {
+/// `all_gather_into` (below) started and not waited for: `whole` is complete once
+/// the returned work is (`detail::wait`). `part` and `whole` must stay
+/// alive and untouched until then. World 1: copied at once, null work.
+inline compat::WorkPtr all_gather_into_async(const Group& g,
+                                             const torch::Tensor& part,
+                                             torch::Tensor& whole) {
   detail::check_dense(whole, "all_gather_into");
   const int64_t n = part.numel();
   if (whole.numel() != n * g.size()) {
@@ -207,14 +207,24 @@ inline void all_gather_into(const Group& g, const torch::Tensor& part,
   auto src = part.detach().reshape({-1}).contiguous();
   if (g.size() == 1 || n == 0) {
     whole.copy_(src);
-    return;
+    return {};
   }
   std::vector<std::vector<torch::Tensor>> out(1);
   for (int r = 0; r < g.size(); ++r)
     out[0].push_back(whole.narrow(0, r * n, n));
   std::vector<torch::Tensor> in{src};
   const auto id = g.begin_collective("all_gather", &src, src.nbytes());
-  detail::wait(g, g.started(id, g.backend()->allgather(out, in)), "all_gather");
+  return g.started(id, g.backend()->allgather(out, in));
+}
+
+/// Gathers every rank's `part` (same numel and dtype on every rank) into
+/// `whole`, contiguous and `world × part.numel()` long: rank q's part lands
+/// at [q * n, (q + 1) * n). Blocking. (ZeRO-3's gather of a unit: `whole`
+/// is the unit's flat parameters.)
+inline void all_gather_into(const Group& g, const torch::Tensor& part,
+                            torch::Tensor& whole) {
+  auto work = all_gather_into_async(g, part, whole);
+  if (work) detail::wait(g, work, "all_gather");
 }
 
 /// Reduce-scatter of a flat tensor into means: afterwards this rank's part

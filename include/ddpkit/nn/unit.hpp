@@ -43,7 +43,11 @@ namespace ddpkit::nn {
 // backward (correct, without the saving). `operator->` reaches the module
 // itself (its options, its tensors) without gathering. Sequential's
 // children cannot be marked this way (Sequential calls them itself): put a
-// `Unit` around each block the model calls (the examples do).
+// `Unit` around each block the model calls. The examples' models keep the
+// blocks in a Sequential or ModuleList (their names: `layer1.0.conv1`) and
+// beside it a list of `Unit`s over the same modules that forward calls;
+// their `clone` lists the clone's own blocks again (Cloneable copies the
+// list, which would still point at the original's).
 
 namespace detail {
 

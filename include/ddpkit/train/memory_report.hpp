@@ -47,6 +47,10 @@ namespace ddpkit::train {
 // gather buffer) by each rank's share (Pss_Shmem), so DDP's shared buckets
 // are not counted once per rank and ZeRO is not flattered; on CUDA
 // `step_peak_device_allocated` is the caching allocator's peak.
+// Where tensors get their memory, `testing::MeteredCpuAllocator` wraps
+// libtorch's CPU allocator (bytes in use, their peak, an optional cap); a
+// test caps it to show a model that only ZeRO-3 can train (glibc keeps
+// freed memory resident, so the kernel's figure would not show it).
 // `example.flowers-resnet34-zero-memory` checks that, over the ranks, the
 // saving the kernel measures against DDP is at least 3/4 of the saving
 // counted (measured 117-144 %; buckets counted as freed but kept alive

@@ -251,6 +251,9 @@ int train_step(const StepContext<Engine, Task>& c,
       out = run();
       times.grad_wait += c.engine.last_wait_seconds();
     }
+    if constexpr (requires { c.engine.last_gather_seconds(); }) {
+      times.gather_wait += c.engine.last_gather_seconds();
+    }
     const auto end = clock::now();
     times.forward += seconds_between(start, forward_end);
     times.backward += seconds_between(forward_end, end);

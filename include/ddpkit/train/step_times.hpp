@@ -41,7 +41,8 @@ namespace ddpkit::train {
 // the step's batches, forward (up to the loss call; under DataParallel
 // replica 0's), backward (with the overlapped gradient all-reduces; the
 // engine's `last_wait_seconds` is the part spent waiting for them after
-// backward), the per-step agreement, the optimizer step (unscale, clip, step)
+// backward; an engine that gathers parameters, ZeRO3, reports what its
+// forward and backward waited for them, `last_gather_seconds`), the per-step agreement, the optimizer step (unscale, clip, step)
 // and the rest (batches to the device, metric sums, callbacks). The sums are
 // `FitResult::step_times`; rank 0's are `step_ms` in `summary.json` (ms per
 // step) and the progress display's last line ("time per step … ms"). On CUDA
@@ -57,7 +58,10 @@ struct StepTimes {
   double forward = 0;    ///< forward and loss (DataParallel: replica 0's)
   double backward = 0;   ///< backward, including `grad_wait`
   double grad_wait = 0;  ///< of `backward`: waiting for gradient all-reduces
-  double agree = 0;      ///< the ranks' agreement (signals, finiteness)
+  /// Of `forward` and `backward`: waiting for parameters to be gathered
+  /// (an engine that shards them: ZeRO3; 0 otherwise).
+  double gather_wait = 0;
+  double agree = 0;  ///< the ranks' agreement (signals, finiteness)
   /// Of `agree`: its collective (the rest is the finiteness check).
   double agree_collective = 0;
   double optimizer = 0;  ///< unscale, clip and the optimizer's step
@@ -65,7 +69,7 @@ struct StepTimes {
   /// Waiting for the other ranks: the gradient all-reduce's wait and the
   /// agreement's collective (a straggler's is the smallest).
   double waited() const {
-    return grad_wait + agree_collective;
+    return grad_wait + gather_wait + agree_collective;
   }
 
   /// What no phase above counts (batches to the device, metric sums,
@@ -83,6 +87,7 @@ struct StepTimes {
         .add("forward", ms(forward))
         .add("backward", ms(backward))
         .add("grad_wait", ms(grad_wait))
+        .add("gather_wait", ms(gather_wait))
         .add("agreement", ms(agree))
         .add("optimizer", ms(optimizer))
         .add("other", ms(other()));
@@ -100,8 +105,12 @@ struct StepTimes {
     return cat("time per step ", f(ms(total)), " ms (mean of ", steps,
                " steps, this rank): data wait ", f(ms(data)), ", forward ",
                f(ms(forward)), ", backward ", f(ms(backward)),
-               " (of which waiting for gradients ", f(ms(grad_wait)),
-               "), agreement ", f(ms(agree)), ", optimizer ", f(ms(optimizer)),
+               " (of which waiting for gradients ", f(ms(grad_wait)), ")",
+               gather_wait > 0 ? cat(", of forward and backward waiting for "
+                                     "parameters ",
+                                     f(ms(gather_wait)))
+                               : std::string(),
+               ", agreement ", f(ms(agree)), ", optimizer ", f(ms(optimizer)),
                ", other ", f(ms(other())));
   }
 

@@ -81,8 +81,18 @@ namespace ddpkit::parallel {
 // is built, as in DDP. Between steps a rank holds its shards, the root
 // unit's parameters only during a step, and at most one non-root unit
 // whole at a time in forward (two where units nest) — measured by the
-// tests. Not yet: prefetching the next unit's gather during the current
-// unit's compute, and a separate parameter or reduce dtype (bf16-mixed).
+// tests.
+//   Prefetch (ZeRO3Options::prefetch, on by default): each step records the
+// units it gathers, in order, separately for forward (unit calls) and
+// backward (output hooks; nested units make backward's order other than
+// forward's reversed). From the next step on, when the k-th gather of a
+// phase is the unit recorded k-th, the unit recorded after it is gathered
+// asynchronously while this one computes; the next gather waits for it
+// (and for any other gather in flight first: one at a time, issued in the
+// same order on every rank). A model whose order changes prefetches a
+// unit it does not use next: correct, with one unit more held until it is
+// used or the step ends; the record is replaced at the step's end. Not
+// yet: a separate parameter or reduce dtype (bf16-mixed).
 // Checkpoints: Note [ZeRO-3's checkpoints].
 
 /// ZeRO3's settings.
@@ -94,6 +104,9 @@ struct ZeRO3Options {
   /// Broadcast rank 0's buffers (e.g. BatchNorm running stats) before every
   /// forward in training mode.
   TORCH_ARG(bool, broadcast_buffers) = false;
+  /// Gather the next unit (in the order the previous step used them)
+  /// while the current one computes, in forward and in backward.
+  TORCH_ARG(bool, prefetch) = true;
 };
 
 namespace detail {
@@ -187,7 +200,7 @@ struct ZeRO3 {
       const bool grad = torch::GradMode::is_enabled();
       if (grad) begin_step();
       nn::detail::ActiveUnitCalls active(this);
-      gather(0);
+      gather(0, grad ? kForward : kNoPhase);
       torch::Tensor out = data::forward_inputs(model_, x);
       if (!grad && !holding()) free_all();
       return out;
@@ -220,6 +233,10 @@ struct ZeRO3 {
       }
       if (!holding()) free_all();
       in_step_ = false;
+      // This step's order is the next step's prefetch plan.
+      for (int phase : {kForward, kBackward}) {
+        if (seen_[phase] != planned_[phase]) planned_[phase] = seen_[phase];
+      }
     }
 
     /// Before each step: every gradient (shards' and parameters') to None.
@@ -314,9 +331,15 @@ struct ZeRO3 {
                                     norm_type);
     }
 
-    /// Seconds the last step spent in its gathers and gradient reductions.
+    /// Seconds the last forward and backward spent in gradient
+    /// reductions.
     double last_wait_seconds() const {
       return last_comm_seconds_;
+    }
+    /// Seconds the last forward and backward waited for parameters to be
+    /// gathered (blocking gathers, and prefetches not done in time).
+    double last_gather_seconds() const {
+      return last_gather_seconds_;
     }
     /// The most bytes of gradients (whole and sharded) held at once.
     uint64_t peak_gradient_bytes() const {
@@ -330,6 +353,10 @@ struct ZeRO3 {
     void reset_peaks() {
       peak_gathered_bytes_ = gathered_bytes_;
       peak_grad_bytes_ = 0;
+    }
+    /// Gathers started ahead of their unit's use so far.
+    uint64_t prefetches() const {
+      return prefetches_;
     }
     /// Bytes of parameters held whole now (gathered units).
     uint64_t gathered_bytes() const {
@@ -533,6 +560,7 @@ struct ZeRO3 {
     }
 
     void begin_step() {
+      for (auto& seen : seen_) seen.clear();
       if (held_for_checkpoint_ && holds_ == 0) {
         held_for_checkpoint_ = false;
         free_all();
@@ -547,6 +575,7 @@ struct ZeRO3 {
       }
       in_step_ = true;
       last_comm_seconds_ = 0;
+      last_gather_seconds_ = 0;
     }
 
     void on_accumulated(std::size_t i) {
@@ -592,24 +621,68 @@ struct ZeRO3 {
               .count();
     }
 
-    void gather(std::size_t u) {
+    // Gathers unit `u` (blocking; a prefetch of it in flight is waited
+    // for). `phase` kForward or kBackward: a step's gather, recorded, and
+    // the unit planned next prefetched.
+    void gather(std::size_t u, int phase = kNoPhase) {
+      settle_prefetch();
       auto& unit = units_[u];
-      if (unit.gathered) return;
-      const auto t0 = std::chrono::steady_clock::now();
-      detail::regrow_storage(unit.full, unit.full_bytes());
-      {
-        torch::NoGradGuard no_grad;
-        dist::all_gather_into(group_, unit.shard, unit.full);
+      if (!unit.gathered) {
+        const auto t0 = std::chrono::steady_clock::now();
+        detail::regrow_storage(unit.full, unit.full_bytes());
+        {
+          torch::NoGradGuard no_grad;
+          dist::all_gather_into(group_, unit.shard, unit.full);
+        }
+        unit.gathered = true;
+        add_gathered(unit);
+        last_gather_seconds_ +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                .count();
       }
-      unit.gathered = true;
+      if (phase == kNoPhase || !in_step_) return;
+      const std::size_t k = seen_[phase].size();
+      seen_[phase].push_back(u);
+      const auto& plan = planned_[phase];
+      if (opts_.prefetch() && k + 1 < plan.size() && plan[k] == u) {
+        start_prefetch(plan[k + 1]);
+      }
+    }
+
+    void add_gathered(const UnitState& unit) {
       gathered_bytes_ += unit.full_bytes();
       peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-      last_comm_seconds_ +=
+    }
+
+    // Starts gathering unit `u` in the background (nothing if it is
+    // whole already).
+    void start_prefetch(std::size_t u) {
+      auto& unit = units_[u];
+      if (unit.gathered || group_.size() == 1) return;
+      detail::regrow_storage(unit.full, unit.full_bytes());
+      torch::NoGradGuard no_grad;
+      prefetch_work_ =
+          dist::all_gather_into_async(group_, unit.shard, unit.full);
+      prefetch_unit_ = u;
+      unit.gathered = true;  // whole once prefetch_work_ is waited for
+      add_gathered(unit);
+      ++prefetches_;
+    }
+
+    // Waits for the gather in flight, if any.
+    void settle_prefetch() {
+      if (prefetch_unit_ == SIZE_MAX) return;
+      const auto t0 = std::chrono::steady_clock::now();
+      auto work = std::move(prefetch_work_);
+      prefetch_unit_ = SIZE_MAX;
+      dist::detail::wait(group_, work, "all_gather");
+      last_gather_seconds_ +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
               .count();
     }
 
     void free(std::size_t u) {
+      if (prefetch_unit_ == u) settle_prefetch();
       auto& unit = units_[u];
       if (!unit.gathered) return;
       detail::release_storage(unit.full);
@@ -618,6 +691,7 @@ struct ZeRO3 {
     }
 
     void free_all() {
+      settle_prefetch();
       for (std::size_t u = 0; u < units_.size(); ++u) free(u);
     }
 
@@ -658,7 +732,9 @@ struct ZeRO3 {
     // nn::detail::UnitCalls: around a unit's call in forward.
     void before_unit(const torch::nn::Module& m) override {
       const auto u = unit_of(m);
-      if (u != SIZE_MAX) gather(u);
+      if (u != SIZE_MAX) {
+        gather(u, torch::GradMode::is_enabled() ? kForward : kNoPhase);
+      }
     }
     torch::Tensor after_unit(const torch::nn::Module& m,
                              torch::Tensor out) override {
@@ -671,7 +747,8 @@ struct ZeRO3 {
       if (!opts_.reshard_after_forward()) return out;
       if (!out.requires_grad()) return out;  // no backward through it
       free(u);
-      out.register_hook([this, u](const torch::Tensor&) { gather(u); });
+      out.register_hook(
+          [this, u](const torch::Tensor&) { gather(u, kBackward); });
       return out;
     }
     void keep_unit(const torch::nn::Module& /*unit*/) override {}
@@ -691,9 +768,17 @@ struct ZeRO3 {
     bool held_for_checkpoint_ = false;
     bool sync_ = true;
     bool in_step_ = false;
-    double last_comm_seconds_ = 0;
+    double last_comm_seconds_ = 0;    // gradient reductions this step
+    double last_gather_seconds_ = 0;  // waiting for gathers this step
     uint64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
     uint64_t peak_grad_bytes_ = 0;
+    // Prefetch: the units each phase gathered this step, in order, and
+    // the previous step's (the plan); the gather in flight.
+    static constexpr int kNoPhase = -1, kForward = 0, kBackward = 1;
+    std::vector<std::size_t> seen_[2], planned_[2];
+    dist::compat::WorkPtr prefetch_work_;
+    std::size_t prefetch_unit_ = SIZE_MAX;
+    uint64_t prefetches_ = 0;
   };
 };
 
