@@ -191,9 +191,10 @@ inline std::vector<torch::Tensor> all_gather(const Group& g,
   return out[0];
 }
 
-/// `all_gather_into` (below) started and not waited for: `whole` is complete once
-/// the returned work is (`detail::wait`). `part` and `whole` must stay
-/// alive and untouched until then. World 1: copied at once, null work.
+/// `all_gather_into` (below) started and not waited for: `whole` is
+/// complete once the returned work is (`detail::wait`). `part` and `whole`
+/// must stay alive and untouched until then. World 1: copied at once, null
+/// work.
 inline compat::WorkPtr all_gather_into_async(const Group& g,
                                              const torch::Tensor& part,
                                              torch::Tensor& whole) {

@@ -150,17 +150,14 @@ class Unit {
   template <class... Args>
   decltype(auto) operator()(Args&&... args) {
     auto* calls = detail::active_unit_calls();
+    if (!calls) return holder_->forward(std::forward<Args>(args)...);
+    const torch::nn::Module& m = *holder_.ptr();
+    calls->before_unit(m);
     using R = decltype(holder_->forward(std::forward<Args>(args)...));
     if constexpr (std::is_same_v<std::decay_t<R>, torch::Tensor>) {
-      if (!calls) return holder_->forward(std::forward<Args>(args)...);
-      const torch::nn::Module& m = *holder_.ptr();
-      calls->before_unit(m);
       return calls->after_unit(m,
                                holder_->forward(std::forward<Args>(args)...));
     } else {
-      if (!calls) return holder_->forward(std::forward<Args>(args)...);
-      const torch::nn::Module& m = *holder_.ptr();
-      calls->before_unit(m);
       decltype(auto) out = holder_->forward(std::forward<Args>(args)...);
       calls->keep_unit(m);
       return out;

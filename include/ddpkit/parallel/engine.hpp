@@ -82,13 +82,15 @@ namespace capability {
 struct takes_inputs {};
 /// make_optimizer(OptimizerFactory) over this rank's shard,
 /// consolidate_optimizer() on every rank before rank 0 writes a checkpoint,
-/// gather_buffer_bytes().
+/// gather_buffer_bytes(), optimizer_state_bytes() (this rank's).
 struct shards_optimizer {};
 /// whole_parameters(bool write_back) -> a guard (every rank) under which
 /// the model's parameters are whole (reading, saving, evaluating; with
 /// write_back, loading into them), and shards(): the tensors this rank
 /// steps, which hold its gradients (finiteness and clipping by value read
-/// them): the parameters themselves are sharded (ZeRO3).
+/// them), shard_bytes() (the parameters it keeps between steps) and
+/// last_gather_seconds() (the last forward and backward's wait for
+/// gathers): the parameters themselves are sharded (ZeRO3).
 struct shards_parameters {};
 /// clip_grad_norm(max_norm, norm_type) -> the total norm, taken across
 /// gradient shards (the Trainer clips by norm only through it).
@@ -247,12 +249,15 @@ concept engine_shards_optimizer =
       } -> std::convertible_to<std::unique_ptr<torch::optim::Optimizer>>;
       e.consolidate_optimizer();
       { e.gather_buffer_bytes() } -> std::convertible_to<std::uint64_t>;
+      { e.optimizer_state_bytes() } -> std::convertible_to<std::uint64_t>;
     };
 
 template <class E>
 concept engine_shards_parameters = requires(E e, bool write_back) {
   e.whole_parameters(write_back);
   { e.shards() } -> std::convertible_to<std::vector<torch::Tensor>>;
+  { e.shard_bytes() } -> std::convertible_to<std::uint64_t>;
+  { e.last_gather_seconds() } -> std::convertible_to<double>;
 };
 
 template <class E>

@@ -9,8 +9,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
-#include <string>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

@@ -63,17 +63,18 @@ FitResult::Memory measure_memory(Engine& engine,
                                  const torch::optim::Optimizer* optimizer,
                                  const StepMemory& steps,
                                  const dist::Group* group) {
-  double state = optimizer
-                     ? static_cast<double>(
-                           parallel::local_optimizer_state_bytes(*optimizer))
-                     : 0.0;
+  double state = 0;
+  if constexpr (parallel::declares<Engine,
+                                   parallel::capability::shards_optimizer>) {
+    state = static_cast<double>(engine.optimizer_state_bytes());
+  } else if (optimizer) {
+    state = static_cast<double>(parallel::optimizer_state_bytes(*optimizer));
+  }
   double params = 0;
   if constexpr (parallel::declares<Engine,
                                    parallel::capability::shards_parameters>) {
-    // Its shards (the model's own tensors are released between steps) and
-    // the state of the user's optimizer over them.
+    // Its shards: the model's own tensors are released between steps.
     params = static_cast<double>(engine.shard_bytes());
-    state = static_cast<double>(engine.optimizer_state_bytes());
   } else {
     for (const auto& p :
          parallel::unique_parameters(parallel::as_module(engine.module()))) {

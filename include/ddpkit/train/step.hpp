@@ -251,7 +251,8 @@ int train_step(const StepContext<Engine, Task>& c,
       out = run();
       times.grad_wait += c.engine.last_wait_seconds();
     }
-    if constexpr (requires { c.engine.last_gather_seconds(); }) {
+    if constexpr (parallel::declares<std::remove_cvref_t<decltype(c.engine)>,
+                                     parallel::capability::shards_parameters>) {
       times.gather_wait += c.engine.last_gather_seconds();
     }
     const auto end = clock::now();

@@ -235,7 +235,7 @@ struct ZeRO3 {
       in_step_ = false;
       // This step's order is the next step's prefetch plan.
       for (int phase : {kForward, kBackward}) {
-        if (seen_[phase] != planned_[phase]) planned_[phase] = seen_[phase];
+        planned_[phase].swap(seen_[phase]);
       }
     }
 
@@ -621,68 +621,58 @@ struct ZeRO3 {
               .count();
     }
 
-    // Gathers unit `u` (blocking; a prefetch of it in flight is waited
-    // for). `phase` kForward or kBackward: a step's gather, recorded, and
+    // Gathers unit `u`, waiting for it (and for any gather in flight
+    // first). `phase` kForward or kBackward: a step's gather, recorded, and
     // the unit planned next prefetched.
     void gather(std::size_t u, int phase = kNoPhase) {
-      settle_prefetch();
-      auto& unit = units_[u];
-      if (!unit.gathered) {
-        const auto t0 = std::chrono::steady_clock::now();
-        detail::regrow_storage(unit.full, unit.full_bytes());
-        {
-          torch::NoGradGuard no_grad;
-          dist::all_gather_into(group_, unit.shard, unit.full);
-        }
-        unit.gathered = true;
-        add_gathered(unit);
-        last_gather_seconds_ +=
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                .count();
+      settle_gather();
+      if (!units_[u].gathered) {
+        start_gather(u);
+        settle_gather();
       }
       if (phase == kNoPhase || !in_step_) return;
       const std::size_t k = seen_[phase].size();
       seen_[phase].push_back(u);
       const auto& plan = planned_[phase];
-      if (opts_.prefetch() && k + 1 < plan.size() && plan[k] == u) {
-        start_prefetch(plan[k + 1]);
+      if (!opts_.prefetch() || group_.size() == 1 || k + 1 >= plan.size() ||
+          plan[k] != u) {
+        return;
+      }
+      if (!units_[plan[k + 1]].gathered) {
+        start_gather(plan[k + 1]);  // waited for at its use
+        ++prefetches_;
       }
     }
 
-    void add_gathered(const UnitState& unit) {
+    // Starts gathering unit `u` (not whole) into its regrown buffer; it is
+    // whole once `settle_gather` has waited. One gather in flight at a
+    // time.
+    void start_gather(std::size_t u) {
+      auto& unit = units_[u];
+      detail::regrow_storage(unit.full, unit.full_bytes());
+      torch::NoGradGuard no_grad;
+      inflight_work_ =
+          dist::all_gather_into_async(group_, unit.shard, unit.full);
+      inflight_unit_ = u;
+      unit.gathered = true;
       gathered_bytes_ += unit.full_bytes();
       peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
     }
 
-    // Starts gathering unit `u` in the background (nothing if it is
-    // whole already).
-    void start_prefetch(std::size_t u) {
-      auto& unit = units_[u];
-      if (unit.gathered || group_.size() == 1) return;
-      detail::regrow_storage(unit.full, unit.full_bytes());
-      torch::NoGradGuard no_grad;
-      prefetch_work_ =
-          dist::all_gather_into_async(group_, unit.shard, unit.full);
-      prefetch_unit_ = u;
-      unit.gathered = true;  // whole once prefetch_work_ is waited for
-      add_gathered(unit);
-      ++prefetches_;
-    }
-
     // Waits for the gather in flight, if any.
-    void settle_prefetch() {
-      if (prefetch_unit_ == SIZE_MAX) return;
+    void settle_gather() {
+      if (inflight_unit_ == SIZE_MAX) return;
       const auto t0 = std::chrono::steady_clock::now();
-      auto work = std::move(prefetch_work_);
-      prefetch_unit_ = SIZE_MAX;
-      dist::detail::wait(group_, work, "all_gather");
+      auto work = std::move(inflight_work_);
+      inflight_unit_ = SIZE_MAX;
+      if (work) dist::detail::wait(group_, work, "all_gather");
       last_gather_seconds_ +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
               .count();
     }
 
     void free(std::size_t u) {
-      if (prefetch_unit_ == u) settle_prefetch();
+      if (inflight_unit_ == u) settle_gather();
       auto& unit = units_[u];
       if (!unit.gathered) return;
       detail::release_storage(unit.full);
@@ -691,7 +681,7 @@ struct ZeRO3 {
     }
 
     void free_all() {
-      settle_prefetch();
+      settle_gather();
       for (std::size_t u = 0; u < units_.size(); ++u) free(u);
     }
 
@@ -776,8 +766,8 @@ struct ZeRO3 {
     // the previous step's (the plan); the gather in flight.
     static constexpr int kNoPhase = -1, kForward = 0, kBackward = 1;
     std::vector<std::size_t> seen_[2], planned_[2];
-    dist::compat::WorkPtr prefetch_work_;
-    std::size_t prefetch_unit_ = SIZE_MAX;
+    dist::compat::WorkPtr inflight_work_;
+    std::size_t inflight_unit_ = SIZE_MAX;
     uint64_t prefetches_ = 0;
   };
 };
