@@ -92,6 +92,10 @@ run_ctest() {
   rm -f "$log" "$DDPKIT_SKIP_LOG"
   unset DDPKIT_SKIP_LOG
   note "$label: ${line:-no CTest summary}${skipped:+; SKIPPED: $skipped}"
+  # Disk: what the runs left (a passed test removes its run folder; see
+  # tests/examples/run_example.sh) and what is free (CI once ran out).
+  [[ -d $build_dir/example-runs ]] &&
+    note "      disk: example-runs $(du -sh "$build_dir/example-runs" | cut -f1), $(df -h --output=avail . | tail -1 | tr -d ' ') free"
   [[ -n $reasons ]] && note "$reasons"
   [[ -n $excluded ]] && note "$excluded"
   if [[ -n $skipped && ${CI:-} == true ]]; then

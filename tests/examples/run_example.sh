@@ -38,3 +38,8 @@ grep -qF "\"precision\": \"$want_precision\"" "$out/summary.json" &&
 version=$(sed -n 's/^#define DDPKIT_VERSION_STRING "\(.*\)"/\1/p' "$(dirname "$0")/../../include/ddpkit/version.hpp")
 grep -qF "\"ddpkit_version\": \"$version\"" "$out/summary.json" ||
   { echo "summary.json lacks \"ddpkit_version\": \"$version\""; exit 1; }
+
+# Passed: the run folder goes (a flowers checkpoint is 170 MB; CI ran out of
+# disk keeping them all). DDPKIT_KEEP_TEST_RUNS=1 keeps it; a failed check
+# has exited before this line.
+[[ ${DDPKIT_KEEP_TEST_RUNS:-0} == 1 ]] || rm -rf "$out"

@@ -100,6 +100,7 @@ if epochs != [1, 2, 3]:
     sys.exit(f"FAILED: metrics.jsonl epochs {epochs}, expected [1, 2, 3]")
 print("ok: ZeRO -> DDP -> ZeRO resumed through epochs", epochs)
 PY
+    [[ ${DDPKIT_KEEP_TEST_RUNS:-0} == 1 ]] || rm -rf "$out" # passed: see run_example.sh
     ;;
   reshard)
     out=$1 zero=$2 single=$3 ddp=$4
@@ -151,6 +152,7 @@ for r in range(4):
 if bad:
     sys.exit("FAILED: " + "; ".join(bad))
 PY
+    [[ ${DDPKIT_KEEP_TEST_RUNS:-0} == 1 ]] || rm -rf "$out" # passed: see run_example.sh
     ;;
   *) echo "usage: zero_checks.sh memory|resume|reshard ..." >&2; exit 2 ;;
 esac
