@@ -56,6 +56,7 @@ struct CommonArgs {
   std::int64_t checkpoint_every = 0;  ///< mid-epoch checkpoints (batches)
   bool checkpoint_on_signal = true;   ///< SIGTERM/SIGINT: checkpoint, stop
   bool async_checkpoint = false;      ///< write checkpoints in the background
+  bool meter_memory = false;          ///< meter the CPU allocator (peak_step)
   double eval_timeout = 3600;         ///< seconds others wait for rank 0's eval
   /// --monitor: what "best" means (early stopping, keep-best, best.pt,
   /// summary.json); "" : the task's own. --mode: min or max ("": the
@@ -142,6 +143,11 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                "rank 0 writes checkpoints in the background: the step "
                "blocks only while the state is copied to memory (one more "
                "copy of the model and optimizer state while a write runs)");
+  app.add_flag("--meter-memory", args.meter_memory,
+               "meter libtorch's CPU allocator: summary.json's "
+               "memory_bytes_per_rank gains step_peak_allocated and "
+               "peak_step (measured per step; one small heap object per "
+               "CPU allocation)");
   app.add_flag("--checkpoint-on-signal,!--no-checkpoint-on-signal",
                args.checkpoint_on_signal,
                "on SIGTERM/SIGINT, finish the batch, write checkpoints/last.pt "
@@ -355,6 +361,8 @@ std::optional<int> finish_args(CommonArgs& args, const std::string& example) {
     return 2;
   }
   if (args.out.empty()) args.out = "runs/" + example + "-" + Mode::name;
+  // Before any tensor of the run is made (each rank parses again).
+  if (args.meter_memory) train::meter_cpu_memory();
   return std::nullopt;
 }
 

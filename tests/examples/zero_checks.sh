@@ -109,9 +109,10 @@ PY
     "$zero" --zero-stage 3 --world-size 2 --epochs 1 --out "$out" "$@"
     cp "$out/summary.json" "$out/summary-zero3-w2.json"
     "$single" --epochs 2 --resume auto --resume-allow-changes --out "$out" "$@"
-    "$ddp" --world-size 2 --epochs 3 --resume auto --resume-allow-changes --out "$out" "$@"
+    # --meter-memory: the step peaks measured where tensors are allocated.
+    "$ddp" --world-size 2 --epochs 3 --resume auto --resume-allow-changes --out "$out" --meter-memory "$@"
     cp "$out/summary.json" "$out/summary-ddp-w2.json"
-    "$zero" --zero-stage 3 --world-size 4 --epochs 4 --resume auto --resume-allow-changes --out "$out" "$@"
+    "$zero" --zero-stage 3 --world-size 4 --epochs 4 --resume auto --resume-allow-changes --out "$out" --meter-memory "$@"
     "$py" - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -146,6 +147,18 @@ for r in range(4):
           f"{ddp['step_peak_proportional'][min(r, 1)] / MiB:.1f})")
     if not 0 < mine <= bound:
         bad.append(f"rank {r} holds {mine / MiB:.1f} MiB, over {bound / MiB:.1f}")
+    # Measured by the metered allocator: ZeRO-3's step peak (activations
+    # and the units gathered included) well under DDP's at world 2.
+    alloc, step = z3["step_peak_allocated"][r], z3["peak_step"][r]
+    ddp_alloc = ddp["step_peak_allocated"][min(r, 1)]
+    print(f"  allocator: step peak {alloc / MiB:.1f} MiB, with shared "
+          f"segments {step / MiB:.1f} (DDP world 2: {ddp_alloc / MiB:.1f}, "
+          f"{ddp['peak_step'][min(r, 1)] / MiB:.1f})")
+    if not 0 < alloc <= step:
+        bad.append(f"rank {r}: step_peak_allocated {alloc}, peak_step {step}")
+    if not alloc < 0.6 * ddp_alloc:
+        bad.append(f"rank {r}: measured step peak {alloc / MiB:.1f} MiB, not "
+                   f"under 0.6 x DDP's {ddp_alloc / MiB:.1f}")
     if not z3["parameters"][r] < ddp["parameters"][0] / 3:
         bad.append(f"rank {r} keeps {z3['parameters'][r] / MiB:.1f} MiB of "
                    f"parameters between steps (DDP {ddp['parameters'][0] / MiB:.1f})")

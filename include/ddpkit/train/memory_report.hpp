@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include "ddpkit/detail/process_memory.hpp"
 #include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/parallel/engine.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
@@ -47,10 +48,14 @@ namespace ddpkit::train {
 // gather buffer) by each rank's share (Pss_Shmem), so DDP's shared buckets
 // are not counted once per rank and ZeRO is not flattered; on CUDA
 // `step_peak_device_allocated` is the caching allocator's peak.
-// Where tensors get their memory, `testing::MeteredCpuAllocator` wraps
-// libtorch's CPU allocator (bytes in use, their peak, an optional cap); a
-// test caps it to show a model that only ZeRO-3 can train (glibc keeps
-// freed memory resident, so the kernel's figure would not show it).
+// Where tensors get their memory, a metered CPU allocator wraps libtorch's
+// (detail/metered_allocator.hpp: bytes in use, their peak, an optional
+// cap). Installed (meter_cpu_memory, the examples' --meter-memory), it
+// gives `step_peak_allocated`, reset at each step's start and read at its
+// end, and `peak_step`, that plus the shared segments by the rank's share
+// (Pss_Shmem): the kernel's resident figure would not show ZeRO-3's saving,
+// as glibc keeps freed memory resident. A test caps it to show a model
+// that only ZeRO-3 can train.
 // `example.flowers-resnet34-zero-memory` checks that, over the ranks, the
 // saving the kernel measures against DDP is at least 3/4 of the saving
 // counted (measured 117-144 %; buckets counted as freed but kept alive
@@ -97,10 +102,18 @@ FitResult::Memory measure_memory(Engine& engine,
   const auto resident = static_cast<double>(steps.peak_resident());
   const auto proportional = static_cast<double>(steps.peak_proportional());
   const auto device = static_cast<double>(steps.peak_device());
+  // The allocator's step peak (private tensor memory) plus the shared
+  // segments by this rank's share: the two never count the same bytes
+  // (the segments are mapped, not allocated through libtorch).
+  const auto allocated = static_cast<double>(steps.peak_allocated());
+  const auto shared =
+      static_cast<double>(ddpkit::detail::ProcessMemory::shared_proportional());
   FitResult::Memory m;
   m.peaks_per_step = steps.per_step();
-  std::vector<double> mine{state,        grads,  gather, resident,
-                           proportional, device, params};
+  m.metered = StepMemory::metered();
+  std::vector<double> mine{state,    grads,        gather,
+                           resident, proportional, device,
+                           params,   allocated,    allocated + shared};
   std::vector<torch::Tensor> all{torch::tensor(mine, torch::kFloat64)};
   if (group) {
     dist::CollectiveTag tag("memory report");
@@ -116,6 +129,8 @@ FitResult::Memory measure_memory(Engine& engine,
     m.peak_proportional.push_back(at(4));
     m.device_peak.push_back(at(5));
     m.parameters.push_back(at(6));
+    m.peak_allocated.push_back(at(7));
+    m.peak_step.push_back(at(8));
   }
   return m;
 }

@@ -53,10 +53,17 @@ struct FitResult {
   /// high-water mark, reset per step; shared pages in full), the same with
   /// shared memory counted by the rank's share, and on a CUDA device the
   /// caching allocator's peak of allocated bytes during a step (0 on CPU).
+  /// Where the CPU allocator is metered (`metered`, meter_cpu_memory): the
+  /// most bytes of CPU tensors allocated at once during a step, and
+  /// `peak_step`: that plus the rank's share of the shared-memory segments
+  /// (Pss_Shmem at the fit's end: buckets and gather buffers, made before
+  /// the steps and kept).
   struct Memory {
     std::vector<double> parameters, optimizer_state, gradients_peak,
         parameter_gather;
     std::vector<double> peak_resident, peak_proportional, device_peak;
+    std::vector<double> peak_allocated, peak_step;
+    bool metered = false;
     /// false: the kernel would not reset the high-water mark, so the
     /// resident peaks run from each process's start.
     bool peaks_per_step = true;
@@ -175,6 +182,11 @@ inline std::string summary_json(const RunInfo& info, const FitResult& r,
         .raw("step_peak_proportional",
              detail::json_array(r.memory.peak_proportional))
         .add("step_peaks_per_step", r.memory.peaks_per_step);
+    if (r.memory.metered) {
+      mem.raw("step_peak_allocated",
+              detail::json_array(r.memory.peak_allocated))
+          .raw("peak_step", detail::json_array(r.memory.peak_step));
+    }
     if (std::any_of(r.memory.device_peak.begin(), r.memory.device_peak.end(),
                     [](double b) { return b > 0; })) {
       mem.raw("step_peak_device_allocated",
