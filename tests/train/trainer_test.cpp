@@ -1,6 +1,7 @@
 // The Trainer: rank-0 duties, resume equivalence, atomic checkpoints, early
 // stopping, LR policies, evaluation strategies. Multi-process cases run
 // real processes over gloo.
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -328,13 +329,20 @@ struct WideNetImpl : torch::nn::Cloneable<WideNetImpl> {
 };
 TORCH_MODULE(WideNet);
 
+/// The epoch of the last batch trained (KillDuringWrite), read by the
+/// background writer's hook.
+std::atomic<int> g_epoch_trained{-1};
+
 /// Kills its own process (SIGKILL, nothing flushed) at the first batch of
 /// the third epoch that finds the second epoch's checkpoint still being
 /// written in the background (its temporary, last.pt.tmp-*, exists),
-/// leaving a file "killing" first.
+/// leaving a file "killing" first. The write is held before its rename
+/// until then (trainer_async_kill's hook): a fast disk once finished it
+/// within a batch, and the kill never came.
 struct KillDuringWrite {
   fs::path dir;
   void on(const train::BatchEnd& e) {
+    g_epoch_trained.store(e.state.epoch);
     if (e.state.epoch < 2) return;
     std::error_code ec;
     for (const auto& f : fs::directory_iterator(dir / "checkpoints", ec)) {
@@ -355,6 +363,16 @@ DDPKIT_WORKER(trainer_async_kill) {
   SingleDeviceTrainer<WideNet> t(
       WideNet(), adam(),
       base_options(out, 4).async_checkpoints(true).verbose(false));
+  // A write made once the second epoch trains (its end's checkpoint) waits
+  // before its rename until a batch of the third has trained (which finds
+  // the temporary and kills), at most 60 s.
+  train::before_rename_hook() = [] {
+    if (g_epoch_trained.load() < 1) return;
+    for (int i = 0; i < 600 && g_epoch_trained.load() < 2; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(5));  // the kill
+  };
   t.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
         data::LoaderOptions(16).workers(0), KillDuringWrite{out});
   return 3;
@@ -716,6 +734,8 @@ TEST_SUITE("train") {
 // Checkpoints and resume (include/ddpkit/train/checkpoint_connector.hpp,
 // checkpoint.hpp): cases of the "train" suite.
 #include "checkpoint_cases.hpp"
+// Sharded checkpoint files (train/sharded_checkpoint.hpp).
+#include "sharded_checkpoint_cases.hpp"
 
 namespace {
 /// Mlp with its two layers as ZeRO-3 units (nn::Unit: a no-op elsewhere).
