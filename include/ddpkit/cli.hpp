@@ -8,6 +8,8 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <exception>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <utility>
@@ -56,8 +58,10 @@ struct CommonArgs {
   std::int64_t checkpoint_every = 0;  ///< mid-epoch checkpoints (batches)
   bool checkpoint_on_signal = true;   ///< SIGTERM/SIGINT: checkpoint, stop
   bool async_checkpoint = false;      ///< write checkpoints in the background
-  bool meter_memory = false;          ///< meter the CPU allocator (peak_step)
-  double eval_timeout = 3600;         ///< seconds others wait for rank 0's eval
+  bool sharded_checkpoint = false;    ///< every rank writes its own part
+  std::string consolidate;     ///< write the checkpoint's model here, and exit
+  bool meter_memory = false;   ///< meter the CPU allocator (peak_step)
+  double eval_timeout = 3600;  ///< seconds others wait for rank 0's eval
   /// --monitor: what "best" means (early stopping, keep-best, best.pt,
   /// summary.json); "" : the task's own. --mode: min or max ("": the
   /// task's, or min for a *_loss).
@@ -143,6 +147,17 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                "rank 0 writes checkpoints in the background: the step "
                "blocks only while the state is copied to memory (one more "
                "copy of the model and optimizer state while a write runs)");
+  app.add_flag("--sharded-checkpoint", args.sharded_checkpoint,
+               "every rank writes its own part of the model and optimizer "
+               "state (checkpoints/shards/); last.pt names the parts. "
+               "Resumes at any world size and mode; the out folder must be "
+               "shared by all hosts");
+  app.add_option("--consolidate", args.consolidate,
+                 "write the model's whole state dict (torch.save's format: "
+                 "Python's torch.load reads it) of the checkpoint --resume "
+                 "names (default OUT/checkpoints/last.pt; a sharded one's "
+                 "parts are read in) to this file, and exit")
+      ->type_name("FILE");
   app.add_flag("--meter-memory", args.meter_memory,
                "meter libtorch's CPU allocator: summary.json's "
                "memory_bytes_per_rank gains step_peak_allocated and "
@@ -254,6 +269,7 @@ inline train::TrainerOptions trainer_options(const CommonArgs& args) {
       .checkpoint_every_n_steps(args.checkpoint_every)
       .checkpoint_on_signal(args.checkpoint_on_signal)
       .async_checkpoints(args.async_checkpoint)
+      .sharded_checkpoints(args.sharded_checkpoint)
       .eval_timeout(args.eval_timeout)
       .monitor(args.monitor)
       .monitor_mode(args.monitor_mode);
@@ -361,6 +377,21 @@ std::optional<int> finish_args(CommonArgs& args, const std::string& example) {
     return 2;
   }
   if (args.out.empty()) args.out = "runs/" + example + "-" + Mode::name;
+  if (!args.consolidate.empty()) {
+    const std::filesystem::path from =
+        args.resume.empty() || args.resume == "auto"
+            ? std::filesystem::path(args.out) / "checkpoints" / "last.pt"
+            : std::filesystem::path(args.resume);
+    try {
+      train::consolidate_state_dict(from, args.consolidate);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "error: --consolidate: %s\n", e.what());
+      return 2;
+    }
+    std::printf("wrote the model's state dict of %s to %s\n", from.c_str(),
+                args.consolidate.c_str());
+    return 0;
+  }
   // Before any tensor of the run is made (each rank parses again).
   if (args.meter_memory) train::meter_cpu_memory();
   return std::nullopt;

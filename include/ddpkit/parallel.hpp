@@ -12,6 +12,7 @@
 #include "ddpkit/parallel/grad_comm.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/parallel/optimizer_state.hpp"
 #include "ddpkit/parallel/reducer.hpp"
 #include "ddpkit/parallel/single_device.hpp"
 #include "ddpkit/parallel/trace.hpp"

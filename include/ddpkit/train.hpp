@@ -16,5 +16,6 @@
 #include "ddpkit/train/resume_source.hpp"
 #include "ddpkit/train/run_summary.hpp"
 #include "ddpkit/train/sharded_checkpoint.hpp"
+#include "ddpkit/train/sharded_state.hpp"
 #include "ddpkit/train/signals.hpp"
 #include "ddpkit/train/trainer.hpp"

@@ -287,6 +287,13 @@ train::OptimizerFactory sgd_momentum(double lr) {
   };
 }
 
+train::OptimizerFactory adamw(double lr) {
+  return [lr](std::vector<torch::Tensor> p) {
+    return std::make_unique<torch::optim::AdamW>(
+        p, torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  };
+}
+
 constexpr int kAccEpochs = 3;
 constexpr double kAccLr = 0.05;
 
@@ -869,6 +876,228 @@ TEST_SUITE("train") {
             worst(ddp_v / last, ddp / last));
     CHECK(dv <= 1e-6);
     CHECK(worst(ddp_v / last, ddp / last) > 1e-3);  // the clip did bind
+  }
+}
+
+/// UnitMlp through the Trainer for sharded checkpoints: `T_MODE` single,
+/// ddp, zero1 or zero3, `T_EPOCHS` epochs, `T_RESUME` ("" or auto),
+/// `T_SHARDED=1` sharded checkpoints, `T_ALLOW=1` resume_allow_changes
+/// (another world size), `T_OPT=adamw` AdamW (else SGD with momentum).
+DDPKIT_WORKER(trainer_sharded) {
+  auto g = test::worker_group();
+  const std::string mode = std::getenv("T_MODE");
+  auto flag = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v && std::string(v) == "1";
+  };
+  torch::manual_seed(1);
+  auto d = accumulation_data();
+  auto opts = accumulation_options(test::worker_dir() / "out", 2, 1.0)
+                  .epochs(std::atoi(std::getenv("T_EPOCHS")))
+                  .resume(std::getenv("T_RESUME"))
+                  .sharded_checkpoints(flag("T_SHARDED"))
+                  .resume_allow_changes(flag("T_ALLOW"));
+  const char* o = std::getenv("T_OPT");
+  auto make =
+      (o && std::string(o) == "adamw") ? adamw(kAccLr) : sgd_momentum(kAccLr);
+  auto run = [&](auto& trainer) {
+    trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
+                data::LoaderOptions(5).workers(0));
+  };
+  if (mode == "zero3") {
+    ZeRO3Trainer<UnitMlp> t(UnitMlp(), make, opts, g);
+    run(t);
+  } else if (mode == "zero1") {
+    ZeRO1Trainer<UnitMlp> t(UnitMlp(), make, opts, g);
+    run(t);
+  } else if (mode == "single") {
+    SingleDeviceTrainer<UnitMlp> t(UnitMlp(), make, opts);
+    run(t);
+  } else {
+    DDPTrainer<UnitMlp> t(UnitMlp(), make, opts, g);
+    run(t);
+  }
+  return 0;
+}
+
+namespace {
+/// The model a checkpoint holds (a sharded one's consolidated first).
+std::map<std::string, torch::Tensor> whole_model_of(const fs::path& ckpt) {
+  TempDir tmp;
+  train::consolidate_state_dict(ckpt, tmp / "model.pt");
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& kv : nn::read_state_dict(tmp / "model.pt")) {
+    out.emplace(kv.key(), kv.value());
+  }
+  return out;
+}
+
+/// The largest difference between two models' tensors, relative to the
+/// second's largest magnitude (0 when equal; 1 for a missing key).
+double model_difference(const std::map<std::string, torch::Tensor>& a,
+                        const std::map<std::string, torch::Tensor>& b) {
+  double w = a.size() == b.size() ? 0 : 1;
+  for (const auto& [key, t] : b) {
+    const auto it = a.find(key);
+    if (it == a.end()) return 1;
+    const auto x = it->second.to(torch::kFloat64);
+    const auto y = t.to(torch::kFloat64);
+    const double scale = y.abs().max().item<double>();
+    w = std::max(
+        w, (x - y).abs().max().item<double>() / (scale > 0 ? scale : 1.0));
+  }
+  return w;
+}
+}  // namespace
+
+// Its own suite (and CTest entry): a dozen runs of two to four processes.
+TEST_SUITE("sharded") {
+  TEST_CASE(
+      "sharded checkpoints: under ZeRO-3 (AdamW) and ZeRO-1 (SGD) at world 2 "
+      "each rank writes its part and last.pt names them; they resume as the "
+      "run that did not stop (ZeRO-3, DDP and ZeRO-1 at world 2), and at "
+      "world 4 under ZeRO-3 and in one process as the plain checkpoint "
+      "does") {
+    using Env = std::vector<std::pair<std::string, std::string>>;
+    auto env = [](const char* mode, int epochs, const char* resume,
+                  bool sharded, const char* opt, bool allow = false) {
+      return Env{{"T_MODE", mode},     {"T_EPOCHS", std::to_string(epochs)},
+                 {"T_RESUME", resume}, {"T_SHARDED", sharded ? "1" : "0"},
+                 {"T_OPT", opt},       {"T_ALLOW", allow ? "1" : "0"}};
+    };
+    const fs::path last = "out/checkpoints/last.pt";
+    // The uninterrupted run, and the run stopped after 2 epochs with plain
+    // checkpoints and with sharded ones.
+    TempDir whole, plain, sharded;
+    REQUIRE(run_workers("trainer_sharded", 2, whole.str(),
+                        env("zero3", 3, "", false, "adamw"))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 2, plain.str(),
+                        env("zero3", 2, "", false, "adamw"))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 2, sharded.str(),
+                        env("zero3", 2, "", true, "adamw"))
+                .ok());
+    // last.pt is a manifest: no model or optimizer of its own; two rank
+    // files holding the model's elements between them, about half each.
+    {
+      const auto manifest = train::open_checkpoint(sharded / last);
+      c10::IValue v;
+      CHECK_FALSE(manifest.try_read("model", v));
+      CHECK_FALSE(manifest.try_read("optimizer", v));
+      REQUIRE(train::is_shard_manifest(manifest));
+      const auto set = train::read_shard_set(manifest, sharded / last);
+      CHECK(set.world == 2);
+      std::vector<int64_t> model_elements;
+      for (const auto& f : train::shard_files(set, sharded / last)) {
+        REQUIRE(fs::exists(f));
+        const auto c = train::open_checkpoint(f);
+        c10::IValue pieces;
+        REQUIRE(c.try_read("pieces", pieces));
+        int64_t n = 0;
+        for (const auto& kv : pieces.toGenericDict()) {
+          if (kv.key().toStringRef().rfind("model/", 0) == 0) {
+            n += kv.value().toTensor().numel();
+          }
+        }
+        model_elements.push_back(n);
+      }
+      const int64_t params = (3 * 32 * 32 + 1) * 16 + (16 + 1) * 10;
+      CHECK(model_elements[0] + model_elements[1] == params);
+      CHECK(model_elements[1] >= params / 2 - 16);
+      // Only folders a manifest names are kept (last, last-prev, best).
+      int folders = 0;
+      for (const auto& e :
+           fs::directory_iterator(sharded / "out/checkpoints/shards")) {
+        (void)e;
+        ++folders;
+      }
+      CHECK(folders >= 1);
+      CHECK(folders <= 3);
+    }
+    // The same state as the plain checkpoint's, bit for bit.
+    CHECK(model_difference(whole_model_of(sharded / last),
+                           whole_model_of(plain / last)) == 0);
+    // A rank's file lost: the resume fails (naming it) and changes nothing.
+    {
+      TempDir broken;
+      fs::copy(sharded / "out", broken / "out", fs::copy_options::recursive);
+      const auto set = train::read_shard_set(
+          train::open_checkpoint(broken / last), broken / last);
+      fs::remove(train::shard_files(set, broken / last)[1]);
+      const auto before = read_file(broken / last);
+      CHECK_FALSE(run_workers("trainer_sharded", 2, broken.str(),
+                              env("zero3", 3, "auto", true, "adamw"))
+                      .ok());
+      CHECK(read_file(broken / last) == before);
+      std::string msg;
+      try {
+        train::consolidate_state_dict(broken / last, broken / "model.pt");
+      } catch (const UsageError& e) {
+        msg = e.what();
+      }
+      CAPTURE(msg);
+      CHECK(msg.find("rank-00001-of-00002.pt") != std::string::npos);
+      CHECK_FALSE(fs::exists(broken / "model.pt"));
+    }
+    // Resumed to epoch 3, each from a copy: ZeRO-3 (sharded again) and DDP
+    // (plain) at world 2 as the run that did not stop; ZeRO-3 at world 4
+    // and one process as from the plain checkpoint.
+    TempDir to_z3, to_ddp, to_z3w4, plain_z3w4, to_one, plain_one;
+    for (const auto* d : {&to_z3, &to_ddp, &to_z3w4, &to_one}) {
+      fs::copy(sharded / "out", *d / "out", fs::copy_options::recursive);
+    }
+    for (const auto* d : {&plain_z3w4, &plain_one}) {
+      fs::copy(plain / "out", *d / "out", fs::copy_options::recursive);
+    }
+    REQUIRE(run_workers("trainer_sharded", 2, to_z3.str(),
+                        env("zero3", 3, "auto", true, "adamw"))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 2, to_ddp.str(),
+                        env("ddp", 3, "auto", false, "adamw"))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 4, to_z3w4.str(),
+                        env("zero3", 3, "auto", false, "adamw", true))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 4, plain_z3w4.str(),
+                        env("zero3", 3, "auto", false, "adamw", true))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 1, to_one.str(),
+                        env("single", 3, "auto", false, "adamw", true))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 1, plain_one.str(),
+                        env("single", 3, "auto", false, "adamw", true))
+                .ok());
+    const auto want = whole_model_of(whole / last);
+    const double dz = model_difference(whole_model_of(to_z3 / last), want);
+    const double dd = model_difference(whole_model_of(to_ddp / last), want);
+    const double d4 = model_difference(whole_model_of(to_z3w4 / last),
+                                       whole_model_of(plain_z3w4 / last));
+    const double d1 = model_difference(whole_model_of(to_one / last),
+                                       whole_model_of(plain_one / last));
+    MESSAGE("sharded ZeRO-3 checkpoint (AdamW) resumed under ZeRO-3 ", dz,
+            ", DDP ", dd, " (vs the run that did not stop); at world 4 ", d4,
+            ", in one process ", d1, " (vs the plain checkpoint)");
+    CHECK(dz <= 1e-6);
+    CHECK(dd <= 1e-6);
+    CHECK(d4 == 0);
+    CHECK(d1 == 0);
+    // ZeRO-1 with SGD's momentum: each rank writes the parameters it owns;
+    // stopped and resumed, as the run that did not stop.
+    TempDir z1, z1_whole;
+    REQUIRE(run_workers("trainer_sharded", 2, z1_whole.str(),
+                        env("zero1", 3, "", false, "sgd"))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 2, z1.str(),
+                        env("zero1", 2, "", true, "sgd"))
+                .ok());
+    REQUIRE(run_workers("trainer_sharded", 2, z1.str(),
+                        env("zero1", 3, "auto", true, "sgd"))
+                .ok());
+    const double dz1 = model_difference(whole_model_of(z1 / last),
+                                        whole_model_of(z1_whole / last));
+    MESSAGE("ZeRO-1 sharded (SGD), stopped and resumed: ", dz1);
+    CHECK(dz1 <= 1e-6);
   }
 }
 

@@ -33,7 +33,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +59,7 @@
 #include "ddpkit/train/resume_source.hpp"
 #include "ddpkit/train/run_folder.hpp"
 #include "ddpkit/train/run_summary.hpp"
+#include "ddpkit/train/sharded_state.hpp"
 
 namespace ddpkit::train {
 
@@ -130,12 +133,22 @@ struct TrainingState {
 
   /// `optimizer_later`: the optimizer's state copied now and serialised
   /// when the archive is (optimizer_snapshot), for an asynchronous write.
+  /// `shards`: a sharded checkpoint's manifest, which names the model's
+  /// and optimizer's state in shard files instead of holding it.
   void save(Checkpoint& archive, const torch::nn::Module& model,
             const torch::optim::Optimizer& optimizer,
-            bool optimizer_later = false) const {
+            bool optimizer_later = false,
+            const ShardSet* shards = nullptr) const {
     archive.stamp();
-    archive.write("model", c10::IValue(nn::state_dict(model)));
-    if (optimizer_later) {
+    if (shards) {
+      archive.write(kShardsEntry, shard_set_value(*shards));
+      archive.write(kOptimizerGroupsEntry, shards->groups);
+    } else {
+      archive.write("model", c10::IValue(nn::state_dict(model)));
+    }
+    if (shards) {
+      // (in the shards)
+    } else if (optimizer_later) {
       archive.write_later("optimizer", [make = optimizer_snapshot(optimizer)] {
         return c10::IValue(make());
       });
@@ -371,6 +384,63 @@ class CheckpointConnector {
     mid_ = {};
     data_size_ = static_cast<std::int64_t>(size);
     data_fingerprint_ = std::move(fingerprint);
+    if (options_.sharded_checkpoints()) {
+      // The fit's shard folders differ from every earlier fit's (a resumed
+      // run reaching a step again never rewrites a folder a manifest names).
+      std::int64_t nonce =
+          static_cast<std::int64_t>(std::random_device{}() & 0xffffffffu);
+      if (world_ > 1) {
+        dist::CollectiveTag tag("sharded checkpoint folder");
+        nonce = dist::broadcast_value(group_, nonce, 0);
+      }
+      nonce_ = nonce;
+      shards_state_ = {-1, -1, -1};
+    }
+  }
+
+  /// Every rank, before a sharded checkpoint of the state after
+  /// `global_step` batches (`epochs_done` epochs and `batches_done` of the
+  /// next) is written: each writes its part (Note [Sharded training
+  /// checkpoints]), and all agree that every part is durable; a failure on
+  /// any rank throws on every rank, the previous checkpoint untouched. Once
+  /// per state; nothing without TrainerOptions::sharded_checkpoints.
+  void write_shards(std::int64_t global_step, int epochs_done,
+                    std::int64_t batches_done) {
+    if (!options_.sharded_checkpoints()) return;
+    const std::array<std::int64_t, 3> state{global_step, epochs_done,
+                                            batches_done};
+    if (state == shards_state_) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    char name[128];
+    std::snprintf(name, sizeof name, "shards/step-%lld-e%d-b%lld-%08llx",
+                  static_cast<long long>(global_step), epochs_done,
+                  static_cast<long long>(batches_done),
+                  static_cast<unsigned long long>(nonce_));
+    const std::filesystem::path dir =
+        std::filesystem::path(options_.out_dir()) / "checkpoints";
+    std::exception_ptr error;
+    try {
+      shards_ = write_training_shards(dir, name, *target_.module,
+                                      *target_.optimizer, rank_, world_);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::int64_t failed = error ? 1 : 0;
+    if (world_ > 1) {
+      dist::CollectiveTag tag("sharded checkpoint");
+      failed = dist::all_reduce_value(group_, failed);
+    }
+    blocking_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count();
+    if (error) std::rethrow_exception(error);
+    if (failed > 0) {
+      throw IoError(ddpkit::detail::cat(
+          "sharded checkpoint ", (dir / name).string(), ": ", failed,
+          " rank(s) could not write their part (their own error says why); "
+          "the previous checkpoint is kept"));
+    }
+    shards_state_ = state;
   }
 
   /// Rank 0 writes the state after `epochs_done` epochs (and, mid-epoch,
@@ -409,11 +479,20 @@ class CheckpointConnector {
                                             mid_.batches_done};
     std::shared_ptr<const Checkpoint> archive;
     if (state == queued_state_) archive = queue_.latest_archive();
+    const bool sharded = options_.sharded_checkpoints();
+    if (sharded && state != shards_state_) {
+      throw std::logic_error(ddpkit::detail::cat(
+          "sharded checkpoint ", path.string(),
+          ": the ranks' parts of this state were not written first "
+          "(CheckpointConnector::write_shards on every rank)"));
+    }
+    if (sharded) sharded_saved_ = true;
     if (!archive) {
       const bool async = queue_.asynchronous();
-      if (!async) require_finite_weights(*target_.module, path);
+      if (!async && !sharded) require_finite_weights(*target_.module, path);
       auto a = std::make_shared<Checkpoint>();
-      t.save(*a, *target_.module, *target_.optimizer, async);
+      t.save(*a, *target_.module, *target_.optimizer, async,
+             sharded ? &shards_ : nullptr);
       for (const auto& c : callbacks_) a->write(c.key, c.save());
       if (async) {
         // Note [Asynchronous checkpoints]: a copy, never a view, checked
@@ -448,6 +527,12 @@ class CheckpointConnector {
   /// At the end of an event: the checkpoints it queued start being written
   /// in the background (after the previous ones; asynchronous only).
   void launch() {
+    if (sharded_saved_) {
+      // After the event's manifests: folders none names any more go.
+      queue_.then([dir = std::filesystem::path(options_.out_dir()) /
+                         "checkpoints"] { remove_unnamed_shards(dir); });
+      sharded_saved_ = false;
+    }
     blocking_seconds_ += queue_.launch();
     queued_state_ = {-1, -1, -1};
   }
@@ -491,6 +576,7 @@ class CheckpointConnector {
       states =
           torch::stack(dist::all_gather(group_, rng.to(group_.device()))).cpu();
     }
+    write_shards(s.global_step, s.epoch, static_cast<std::int64_t>(s.step));
     if (rank_ != 0) return;
     mid_ = {static_cast<std::int64_t>(s.step), all.cpu(), states};
     save(path, s, s.epoch);
@@ -562,6 +648,11 @@ class CheckpointConnector {
       return 0;
     }
     auto archive = parsed ? std::move(*parsed) : parse_checkpoint(bytes, path);
+    if (is_shard_manifest(archive)) {
+      // Every rank reads the shards (Note [Sharded training checkpoints]).
+      archive = assemble_training_checkpoint(archive, path, *target_.module,
+                                             *target_.optimizer);
+    }
     const auto state = TrainingState::load(archive, path, columns_, num_sums_);
     check_settings(state, path);
     load_module_checked(*target_.module, archive, "model", path);
@@ -812,6 +903,13 @@ class CheckpointConnector {
   std::int64_t data_size_ = 0;            ///< the training set's
   std::string data_fingerprint_;          ///< its `fingerprint()`, or ""
   torch::Tensor resume_rng_;  ///< set by a mid-epoch resume until applied
+  /// Sharded checkpoints: this fit's folder number, the state whose parts
+  /// were written last and what rank 0's manifest says of them, and
+  /// whether this event wrote a manifest (its cleanup follows).
+  std::uint64_t nonce_ = 0;
+  std::array<std::int64_t, 3> shards_state_{-1, -1, -1};
+  ShardSet shards_;
+  bool sharded_saved_ = false;
   /// Where an unfinished epoch stands: saved in mid-epoch checkpoints, and
   /// read from one until the resumed epoch starts.
   struct MidEpoch {

@@ -62,6 +62,29 @@ inline const torch::optim::Optimizer& saved_optimizer(
   return optimizer;
 }
 
+/// frozen_copy of `opt` by its type (libtorch's SGD, Adam, AdamW, RMSprop,
+/// Adagrad and what derives from them); null for another type.
+inline std::shared_ptr<torch::optim::Optimizer> frozen_of(
+    const torch::optim::Optimizer& opt) {
+  namespace o = torch::optim;
+  if (dynamic_cast<const o::SGD*>(&opt)) {
+    return frozen_copy<o::SGD, o::SGDOptions>(opt);
+  }
+  if (dynamic_cast<const o::AdamW*>(&opt)) {
+    return frozen_copy<o::AdamW, o::AdamWOptions>(opt);
+  }
+  if (dynamic_cast<const o::Adam*>(&opt)) {
+    return frozen_copy<o::Adam, o::AdamOptions>(opt);
+  }
+  if (dynamic_cast<const o::RMSprop*>(&opt)) {
+    return frozen_copy<o::RMSprop, o::RMSpropOptions>(opt);
+  }
+  if (dynamic_cast<const o::Adagrad*>(&opt)) {
+    return frozen_copy<o::Adagrad, o::AdagradOptions>(opt);
+  }
+  return nullptr;
+}
+
 }  // namespace detail
 
 /// A copy of `optimizer`'s state (every state tensor copied now, nothing
@@ -75,20 +98,8 @@ inline const torch::optim::Optimizer& saved_optimizer(
 /// serialised now and the function returns those bytes.
 inline std::function<torch::Tensor()> optimizer_snapshot(
     const torch::optim::Optimizer& optimizer) {
-  namespace o = torch::optim;
-  const o::Optimizer& opt = detail::saved_optimizer(optimizer);
-  std::shared_ptr<o::Optimizer> frozen;
-  if (dynamic_cast<const o::SGD*>(&opt)) {
-    frozen = detail::frozen_copy<o::SGD, o::SGDOptions>(opt);
-  } else if (dynamic_cast<const o::AdamW*>(&opt)) {
-    frozen = detail::frozen_copy<o::AdamW, o::AdamWOptions>(opt);
-  } else if (dynamic_cast<const o::Adam*>(&opt)) {
-    frozen = detail::frozen_copy<o::Adam, o::AdamOptions>(opt);
-  } else if (dynamic_cast<const o::RMSprop*>(&opt)) {
-    frozen = detail::frozen_copy<o::RMSprop, o::RMSpropOptions>(opt);
-  } else if (dynamic_cast<const o::Adagrad*>(&opt)) {
-    frozen = detail::frozen_copy<o::Adagrad, o::AdagradOptions>(opt);
-  }
+  const torch::optim::Optimizer& opt = detail::saved_optimizer(optimizer);
+  std::shared_ptr<torch::optim::Optimizer> frozen = detail::frozen_of(opt);
   if (!frozen) {
     auto bytes = optimizer_bytes(opt);
     return [bytes] { return bytes; };

@@ -306,6 +306,14 @@ struct TrainerOptions {
   /// and optimizer state while a write runs); one write at a time, each
   /// atomic as before. See Note [Asynchronous checkpoints].
   TORCH_ARG(bool, async_checkpoints) = false;
+  /// Every rank writes its own part of the model and optimizer state to
+  /// OUT/checkpoints/shards/<state>/rank-R-of-W.pt (ZeRO-1/2: the
+  /// parameters it owns; ZeRO-3: its shards; other engines: rank 0
+  /// everything), no rank gathering the whole state; `last.pt` becomes the
+  /// manifest naming them, written once every rank's file is durable.
+  /// Resumes at any world size and under any engine; the out folder must
+  /// be shared by every host. See Note [Sharded training checkpoints].
+  TORCH_ARG(bool, sharded_checkpoints) = false;
 
  private:
   MemoryFormat memory_format_ = MemoryFormat::contiguous;

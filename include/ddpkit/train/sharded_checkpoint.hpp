@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 #include <utility>
@@ -42,9 +43,13 @@ namespace ddpkit::train {
 // each tensor tile it exactly: a missing, overlapping, out-of-range or
 // mistyped piece is an error naming the key and the files. Reading does
 // not depend on the world that reads: a checkpoint written at world 2
-// assembles the same at world 1, 2 or 4. Not built yet: the engines
-// writing their pieces, and the Trainer's commit (last.pt as the index and
-// manifest, written after every rank's file is durable).
+// assembles the same at world 1, 2 or 4. A file may also describe the
+// tensors it holds pieces of ("metas", merged into the index: one rank's
+// optimizer state is known only to it) and carry whole numbers
+// ("scalars": an optimizer's step counts). Lists are pickled as plain
+// lists, so Python's torch.load(weights_only=True) reads every file. What
+// a training checkpoint writes in them: Note [Sharded training
+// checkpoints] (sharded_state.hpp).
 
 /// What a whole tensor of a sharded checkpoint is: its sizes, strides
 /// (dense: contiguous, channels-last or another permutation) and dtype.
@@ -89,11 +94,18 @@ inline torch::Tensor memory_run(const torch::Tensor& t, int64_t begin,
   return t.as_strided({end - begin}, {1}, t.storage_offset() + begin);
 }
 
+inline c10::IValue shard_index_value(const ShardIndex& index);
+
 /// Writes rank `rank`'s pieces (of a world of `world`) to `path` atomically
-/// and durably. The pieces are written as they are: copy them first if
-/// training may change them while this runs.
-inline void write_shard_file(const std::filesystem::path& path, int rank,
-                             int world, const ShardPieces& pieces) {
+/// and durably, with `metas` (what each piece's whole tensor is, for keys
+/// the reader's index may not list) and `scalars` (whole numbers by key).
+/// Each piece is written as its own run (a view is copied out of its
+/// larger storage first); copy them before calling this if training may
+/// change them while it runs.
+inline void write_shard_file(
+    const std::filesystem::path& path, int rank, int world,
+    const ShardPieces& pieces, const ShardIndex& metas = {},
+    const std::map<std::string, int64_t>& scalars = {}) {
   c10::Dict<std::string, torch::Tensor> data;
   c10::Dict<std::string, int64_t> offsets;
   for (const auto& [key, piece] : pieces) {
@@ -104,7 +116,11 @@ inline void write_shard_file(const std::filesystem::path& path, int rank,
           "' must be a 1-D run at an offset >= 0 (got ", run.dim(),
           " dimensions at ", offset, ")"));
     }
-    data.insert(key, run.contiguous());
+    torch::Tensor own = run.to(torch::kCPU).contiguous();
+    if (own.storage().nbytes() != own.nbytes() || own.storage_offset() != 0) {
+      own = own.clone();  // a view writes its whole storage otherwise
+    }
+    data.insert(key, own);
     offsets.insert(key, offset);
   }
   Checkpoint c;
@@ -113,6 +129,12 @@ inline void write_shard_file(const std::filesystem::path& path, int rank,
   c.write("world", static_cast<int64_t>(world));
   c.write("pieces", c10::IValue(data));
   c.write("offsets", c10::IValue(offsets));
+  if (!metas.empty()) c.write("metas", shard_index_value(metas));
+  if (!scalars.empty()) {
+    c10::Dict<std::string, int64_t> sc;
+    for (const auto& [k, v] : scalars) sc.insert(k, v);
+    c.write("scalars", c10::IValue(sc));
+  }
   atomic_save(c, path);
 }
 
@@ -122,8 +144,15 @@ inline c10::IValue shard_index_value(const ShardIndex& index) {
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
   for (const auto& [key, meta] : index) {
     c10::impl::GenericDict m(c10::StringType::get(), c10::AnyType::get());
-    m.insert("sizes", c10::IValue(meta.sizes));
-    m.insert("strides", c10::IValue(meta.strides));
+    // Lists of Any: an int list would be pickled as build_intlist, which
+    // Python's torch.load(weights_only=True) refuses.
+    auto list = [](const std::vector<int64_t>& v) {
+      c10::impl::GenericList l(c10::AnyType::get());
+      for (const auto x : v) l.push_back(x);
+      return c10::IValue(l);
+    };
+    m.insert("sizes", list(meta.sizes));
+    m.insert("strides", list(meta.strides));
     m.insert("dtype", std::string(c10::toString(meta.dtype)));
     d.insert(key, c10::IValue(m));
   }
@@ -141,11 +170,20 @@ inline ShardIndex read_shard_index(const c10::IValue& v,
   auto ints = [&](const c10::impl::GenericDict& m, const char* field,
                   const std::string& key) {
     const auto it = m.find(field);
-    if (it == m.end() || !it->value().isIntList()) {
+    // (A list read back from a file may be typed List[Any].)
+    bool ok = it != m.end() && it->value().isList();
+    std::vector<int64_t> out;
+    if (ok) {
+      for (const auto& e : it->value().toListRef()) {
+        ok = ok && e.isInt();
+        if (ok) out.push_back(e.toInt());
+      }
+    }
+    if (!ok) {
       throw UsageError(cat(where, ": the shard index entry '", key,
                            "' has no list of whole numbers '", field, "'"));
     }
-    return it->value().toIntVector();
+    return out;
   };
   ShardIndex index;
   for (const auto& kv : v.toGenericDict()) {
@@ -197,27 +235,69 @@ inline std::string files_named(const std::vector<std::filesystem::path>& files,
   return out;
 }
 
-inline int64_t shard_int(const Checkpoint& c, const std::string& key,
-                         const std::filesystem::path& file) {
-  c10::IValue v;
-  if (!c.try_read(key, v) || !v.isInt()) {
-    throw UsageError(ddpkit::detail::cat("shard file ", file.string(),
-                                         " has no whole number '", key, "'"));
-  }
-  return v.toInt();
-}
-
 }  // namespace detail
 
 /// Every tensor of `index`, rebuilt whole from `files`: the shard files of
 /// ranks 0, 1, ... of the world that wrote them, in rank order. Each comes
-/// back with its writer's sizes, strides and dtype. Throws a UsageError
-/// naming the file (one missing, damaged, of another rank or world or
-/// format) or the key (a piece missing, overlapping another, beyond the
-/// tensor's end, of another dtype; a key the index does not list).
+/// back with its writer's sizes, strides and dtype. Files may describe
+/// tensors the index does not list ("metas"); they are rebuilt too, and
+/// their whole numbers ("scalars") go to `scalars` when given. Throws a
+/// UsageError naming the file (one missing, damaged, of another rank or
+/// world or format) or the key (a piece missing, overlapping another,
+/// beyond the tensor's end, of another dtype; a key nothing describes; two
+/// descriptions of one tensor that differ).
 inline std::map<std::string, torch::Tensor> assemble_shards(
-    const ShardIndex& index, const std::vector<std::filesystem::path>& files) {
+    ShardIndex index, const std::vector<std::filesystem::path>& files,
+    std::map<std::string, int64_t>* scalars = nullptr) {
   using ddpkit::detail::cat;
+  const int world = static_cast<int>(files.size());
+  std::vector<Checkpoint> read;
+  read.reserve(files.size());
+  for (int i = 0; i < world; ++i) {
+    const auto& file = files[static_cast<std::size_t>(i)];
+    Checkpoint c = open_checkpoint(file);  // checked; names the file
+    c10::IValue v;
+    if (!c.try_read("format", v) || !v.isString() ||
+        v.toStringRef() != kShardFormat) {
+      throw UsageError(cat("shard file ", file.string(),
+                           " is not a ddpkit shard (format '", kShardFormat,
+                           "' expected)"));
+    }
+    constexpr int kMax = std::numeric_limits<int>::max();
+    const int rank = read_checkpoint_int(c, "rank", file, 0, kMax);
+    const int w = read_checkpoint_int(c, "world", file, 1, kMax);
+    if (rank != i || w != world) {
+      throw UsageError(cat("shard file ", file.string(), " is rank ", rank,
+                           " of ", w, "; expected rank ", i, " of ", world));
+    }
+    if (c.try_read("metas", v)) {
+      for (auto& [key, meta] : read_shard_index(v, file.string())) {
+        const auto [it, added] = index.emplace(key, meta);
+        if (!added && (it->second.sizes != meta.sizes ||
+                       it->second.strides != meta.strides ||
+                       it->second.dtype != meta.dtype)) {
+          throw UsageError(cat("shard file ", file.string(), " describes '",
+                               key,
+                               "' otherwise than the index or an "
+                               "earlier rank's file"));
+        }
+      }
+    }
+    if (scalars && c.try_read("scalars", v)) {
+      if (!v.isGenericDict()) {
+        throw UsageError(
+            cat("shard file ", file.string(), ": 'scalars' is not a dict"));
+      }
+      for (const auto& kv : v.toGenericDict()) {
+        if (!kv.key().isString() || !kv.value().isInt()) {
+          throw UsageError(cat("shard file ", file.string(),
+                               ": 'scalars' holds a non-number"));
+        }
+        (*scalars)[kv.key().toStringRef()] = kv.value().toInt();
+      }
+    }
+    read.push_back(std::move(c));
+  }
   std::map<std::string, torch::Tensor> whole;
   std::map<std::string, std::vector<detail::Placed>> placed;
   for (const auto& [key, meta] : index) {
@@ -229,23 +309,9 @@ inline std::map<std::string, torch::Tensor> assemble_shards(
     }
     whole.emplace(key, std::move(t));
   }
-  const int world = static_cast<int>(files.size());
   for (int i = 0; i < world; ++i) {
     const auto& file = files[static_cast<std::size_t>(i)];
-    const Checkpoint c = open_checkpoint(file);  // checked; names the file
-    c10::IValue format;
-    if (!c.try_read("format", format) || !format.isString() ||
-        format.toStringRef() != kShardFormat) {
-      throw UsageError(cat("shard file ", file.string(),
-                           " is not a ddpkit shard (format '", kShardFormat,
-                           "' expected)"));
-    }
-    const int64_t rank = detail::shard_int(c, "rank", file);
-    const int64_t w = detail::shard_int(c, "world", file);
-    if (rank != i || w != world) {
-      throw UsageError(cat("shard file ", file.string(), " is rank ", rank,
-                           " of ", w, "; expected rank ", i, " of ", world));
-    }
+    const Checkpoint& c = read[static_cast<std::size_t>(i)];
     c10::IValue pieces, offsets;
     if (!c.try_read("pieces", pieces) || !pieces.isGenericDict() ||
         !c.try_read("offsets", offsets) || !offsets.isGenericDict()) {

@@ -573,20 +573,34 @@ class Trainer : private CheckpointWriter {
     checkpoints_.save(path, *fit_, fit_->epoch + 1);
   }
   void write_mid_epoch(const std::filesystem::path& path) override {
-    prepare_checkpoint();
+    prepare_checkpoint(/*mid_epoch=*/true);
     checkpoints_.save_mid_epoch(path, *fit_);
   }
   void then(std::function<void()> fn) override {
     checkpoints_.then(std::move(fn));
   }
 
-  /// Every rank, before rank 0 writes a checkpoint: an engine that shards
-  /// the optimizer gathers its shards on rank 0 (and one that shards the
-  /// parameters gathers them until the next step).
-  void prepare_checkpoint() {
+  /// Every rank, before rank 0 writes a checkpoint (at an epoch's end, or
+  /// mid-epoch): with sharded checkpoints each rank writes its part (the
+  /// mid-epoch one's are written by save_mid_epoch); otherwise an engine
+  /// that shards the optimizer gathers its shards on rank 0. An engine
+  /// that shards the parameters gathers them until the next step where
+  /// the whole model is written (a plain checkpoint, weights files).
+  void prepare_checkpoint(bool mid_epoch = false) {
+    const bool sharded =
+        options_.sharded_checkpoints() && options_.checkpoints();
+    if (sharded && !mid_epoch) {
+      checkpoints_.write_shards(fit_->global_step, fit_->epoch + 1, 0);
+    }
     if constexpr (parallel::declares<engine_type,
                                      parallel::capability::shards_optimizer>) {
-      engine_.consolidate_optimizer();
+      constexpr bool shards_parameters =
+          parallel::declares<engine_type,
+                             parallel::capability::shards_parameters>;
+      if (!sharded || (shards_parameters && !mid_epoch &&
+                       !options_.weights_pattern().empty())) {
+        engine_.consolidate_optimizer();
+      }
     }
   }
 

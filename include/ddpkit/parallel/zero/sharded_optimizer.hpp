@@ -41,6 +41,7 @@
 #include "ddpkit/distributed/collectives.hpp"
 #include "ddpkit/distributed/flight_recorder.hpp"
 #include "ddpkit/parallel/module_utils.hpp"
+#include "ddpkit/parallel/optimizer_state.hpp"
 
 namespace ddpkit::parallel {
 
@@ -349,6 +350,22 @@ class ShardedOptimizer : public torch::optim::Optimizer {
       }
     }
     full_.reset();
+  }
+
+  /// This rank's part of each parameter (a sharded checkpoint's pieces):
+  /// the parameters it owns, whole, with their optimizer state. Views of
+  /// them: copy them before training changes them.
+  std::vector<ParamPart> checkpoint_parts() const {
+    std::vector<ParamPart> out;
+    for (const auto& p : owned_[static_cast<std::size_t>(group_.rank())]) {
+      out.push_back(detail::whole_part(p, *inner_));
+    }
+    return out;
+  }
+  /// A new optimizer of the user's type over every parameter, at this
+  /// one's learning rate, with no state.
+  std::unique_ptr<torch::optim::Optimizer> whole() const {
+    return fresh(params_);
   }
 
   /// Bytes of optimizer state this rank keeps (measured, see

@@ -5,6 +5,7 @@
 // as DDP's plain optimizer saves it. See Note [ZeRO-3's checkpoints].
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -18,6 +19,7 @@
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/strings.hpp"
 #include "ddpkit/distributed/collectives.hpp"
+#include "ddpkit/parallel/optimizer_state.hpp"
 #include "ddpkit/parallel/zero/sharded_optimizer.hpp"
 
 namespace ddpkit::parallel {
@@ -42,52 +44,12 @@ namespace ddpkit::parallel {
 // refused by name when consolidated or loaded. The optimizer factory must
 // make one parameter group (the shards carry no per-parameter settings).
 // Rank `to` holds the whole state while it writes (as ZeRO-1/2); the others
-// hold one unit's gathered state at a time.
+// hold one unit's gathered state at a time. Sharded checkpoints gather
+// nothing: each rank writes its `checkpoint_parts` (the runs of each
+// parameter inside its shards, with the state over the same elements;
+// Note [Sharded training checkpoints], train/sharded_state.hpp).
 
 namespace detail {
-
-/// The tensor fields of a libtorch optimizer's per-parameter state, in a
-/// fixed order, each replaced by `f(field)` when defined. Throws for a
-/// state type it does not know.
-inline void map_state_tensors(
-    torch::optim::OptimizerParamState& s,
-    const std::function<torch::Tensor(const torch::Tensor&)>& f) {
-  namespace o = torch::optim;
-  auto map = [&](const torch::Tensor& t) { return t.defined() ? f(t) : t; };
-  if (auto* sgd = dynamic_cast<o::SGDParamState*>(&s)) {
-    sgd->momentum_buffer(map(sgd->momentum_buffer()));
-  } else if (auto* adamw = dynamic_cast<o::AdamWParamState*>(&s)) {
-    adamw->exp_avg(map(adamw->exp_avg()));
-    adamw->exp_avg_sq(map(adamw->exp_avg_sq()));
-    adamw->max_exp_avg_sq(map(adamw->max_exp_avg_sq()));
-  } else if (auto* adam = dynamic_cast<o::AdamParamState*>(&s)) {
-    adam->exp_avg(map(adam->exp_avg()));
-    adam->exp_avg_sq(map(adam->exp_avg_sq()));
-    adam->max_exp_avg_sq(map(adam->max_exp_avg_sq()));
-  } else if (auto* rms = dynamic_cast<o::RMSpropParamState*>(&s)) {
-    rms->square_avg(map(rms->square_avg()));
-    rms->momentum_buffer(map(rms->momentum_buffer()));
-    rms->grad_avg(map(rms->grad_avg()));
-  } else if (auto* ada = dynamic_cast<o::AdagradParamState*>(&s)) {
-    ada->sum(map(ada->sum()));
-  } else {
-    throw UsageError(
-        "ZeRO3: this optimizer's state cannot be mapped between the shards "
-        "and the parameters (known: libtorch's SGD, Adam, AdamW, RMSprop, "
-        "Adagrad and types derived from them)");
-  }
-}
-
-/// The defined tensor fields of `s`, in map_state_tensors' order.
-inline std::vector<torch::Tensor> state_tensors(
-    torch::optim::OptimizerParamState& s) {
-  std::vector<torch::Tensor> out;
-  map_state_tensors(s, [&](const torch::Tensor& t) {
-    out.push_back(t);
-    return t;
-  });
-  return out;
-}
 
 /// Parameter `p`'s place in a flat buffer `flat` at element `offset`: a
 /// view of `flat` with `p`'s sizes and strides (p dense: contiguous or
@@ -231,6 +193,47 @@ class Zero3Optimizer : public torch::optim::Optimizer {
       inner_->state()[compat::optimizer_state_key(u.shard)] = std::move(like);
     }
     full_.reset();
+  }
+
+  /// This rank's part of each parameter (a sharded checkpoint's pieces):
+  /// per unit, the run of each parameter inside this rank's shard, with
+  /// the shard's optimizer state over the same elements. Views of the
+  /// shards: copy them before training changes them.
+  std::vector<ParamPart> checkpoint_parts() const {
+    std::vector<ParamPart> out;
+    const int64_t r = group_.rank(), w = group_.size();
+    for (const auto& u : units_) {
+      const int64_t chunk = u.padded / w, lo = r * chunk, hi = lo + chunk;
+      const auto it =
+          inner_->state().find(compat::optimizer_state_key(u.shard));
+      for (std::size_t k = 0; k < u.params.size(); ++k) {
+        const auto& p = u.params[k];
+        const int64_t b = std::max(lo, u.offsets[k]);
+        const int64_t e = std::min(hi, u.offsets[k] + p.numel());
+        if (b >= e) continue;
+        ParamPart part;
+        part.param = p;
+        part.begin = b - u.offsets[k];
+        part.values = u.shard.detach().narrow(0, b - lo, e - b);
+        if (it != inner_->state().end()) {
+          for (auto& [name, t] : detail::state_fields(*it->second)) {
+            if (t->defined()) {
+              part.state.emplace_back(name, t->narrow(0, b - lo, e - b));
+            }
+          }
+          if (const int64_t* step = detail::state_step(*it->second)) {
+            part.step = *step;
+          }
+        }
+        out.push_back(std::move(part));
+      }
+    }
+    return out;
+  }
+  /// A new optimizer of the user's type over every parameter, at this
+  /// one's learning rate, with no state.
+  std::unique_ptr<torch::optim::Optimizer> whole() const {
+    return fresh(params_);
   }
 
   /// Bytes of optimizer state this rank keeps (measured).
