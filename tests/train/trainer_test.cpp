@@ -882,7 +882,8 @@ TEST_SUITE("train") {
 /// UnitMlp through the Trainer for sharded checkpoints: `T_MODE` single,
 /// ddp, zero1 or zero3, `T_EPOCHS` epochs, `T_RESUME` ("" or auto),
 /// `T_SHARDED=1` sharded checkpoints, `T_ALLOW=1` resume_allow_changes
-/// (another world size), `T_OPT=adamw` AdamW (else SGD with momentum).
+/// (another world size), `T_OPT=adamw` AdamW (else SGD with momentum),
+/// `T_ASYNC=1` asynchronous checkpoints.
 DDPKIT_WORKER(trainer_sharded) {
   auto g = test::worker_group();
   const std::string mode = std::getenv("T_MODE");
@@ -896,6 +897,7 @@ DDPKIT_WORKER(trainer_sharded) {
                   .epochs(std::atoi(std::getenv("T_EPOCHS")))
                   .resume(std::getenv("T_RESUME"))
                   .sharded_checkpoints(flag("T_SHARDED"))
+                  .async_checkpoints(flag("T_ASYNC"))
                   .resume_allow_changes(flag("T_ALLOW"));
   const char* o = std::getenv("T_OPT");
   auto make =
@@ -1018,6 +1020,24 @@ TEST_SUITE("sharded") {
     // The same state as the plain checkpoint's, bit for bit.
     CHECK(model_difference(whole_model_of(sharded / last),
                            whole_model_of(plain / last)) == 0);
+    // Asynchronous: each rank's part written in the background, the
+    // manifest after all of them; the same state, and it resumes as the
+    // run that did not stop.
+    {
+      TempDir async;
+      auto e = env("zero3", 2, "", true, "adamw");
+      e.emplace_back("T_ASYNC", "1");
+      REQUIRE(run_workers("trainer_sharded", 2, async.str(), e).ok());
+      CHECK(model_difference(whole_model_of(async / last),
+                             whole_model_of(plain / last)) == 0);
+      e = env("zero3", 3, "auto", true, "adamw");
+      e.emplace_back("T_ASYNC", "1");
+      REQUIRE(run_workers("trainer_sharded", 2, async.str(), e).ok());
+      const double da = model_difference(whole_model_of(async / last),
+                                         whole_model_of(whole / last));
+      MESSAGE("asynchronous sharded checkpoints, stopped and resumed: ", da);
+      CHECK(da <= 1e-6);
+    }
     // A rank's file lost: the resume fails (naming it) and changes nothing.
     {
       TempDir broken;

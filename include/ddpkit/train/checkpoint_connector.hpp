@@ -24,6 +24,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -418,6 +419,21 @@ class CheckpointConnector {
                   static_cast<unsigned long long>(nonce_));
     const std::filesystem::path dir =
         std::filesystem::path(options_.out_dir()) / "checkpoints";
+    if (queue_.asynchronous()) {
+      // Each rank blocks only while its part is copied; its file is
+      // written in the background, and rank 0's manifest waits there for
+      // every rank's file (see save).
+      auto shard = std::make_shared<RankShard>(collect_training_shard(
+          dir, name, *target_.module, *target_.optimizer, rank_, world_,
+          /*copy=*/true));
+      shards_ = shard->set;
+      queue_.then([shard] { write_rank_shard(*shard); });
+      blocking_seconds_ +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
+      shards_state_ = state;
+      return;
+    }
     std::exception_ptr error;
     try {
       shards_ = write_training_shards(dir, name, *target_.module,
@@ -486,6 +502,13 @@ class CheckpointConnector {
           ": the ranks' parts of this state were not written first "
           "(CheckpointConnector::write_shards on every rank)"));
     }
+    if (sharded && !sharded_saved_ && queue_.asynchronous()) {
+      // The manifest only once every rank's part is on disk.
+      queue_.then([files = shard_files(shards_, path), cancelled = cancelled_] {
+        wait_for_files(files, std::chrono::seconds(600),
+                       [cancelled] { return cancelled->load(); });
+      });
+    }
     if (sharded) sharded_saved_ = true;
     if (!archive) {
       const bool async = queue_.asynchronous();
@@ -548,6 +571,7 @@ class CheckpointConnector {
   /// Leaving a fit by an exception: the checkpoints queued and running are
   /// written whole (their errors on stderr).
   void finish_quietly() noexcept {
+    cancelled_->store(true);  // a manifest's wait for the parts ends
     queue_.wait_quietly();
     queued_state_ = {-1, -1, -1};
   }
@@ -910,6 +934,10 @@ class CheckpointConnector {
   std::array<std::int64_t, 3> shards_state_{-1, -1, -1};
   ShardSet shards_;
   bool sharded_saved_ = false;
+  /// Set when the fit ends by an error: a background wait for the other
+  /// ranks' parts gives up.
+  std::shared_ptr<std::atomic<bool>> cancelled_ =
+      std::make_shared<std::atomic<bool>>(false);
   /// Where an unfinished epoch stands: saved in mid-epoch checkpoints, and
   /// read from one until the resumed epoch starts.
   struct MidEpoch {

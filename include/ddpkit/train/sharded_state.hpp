@@ -6,12 +6,15 @@
 // checkpoints].
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -60,8 +63,12 @@ namespace ddpkit::train {
 // holding each state field; then the resume is the plain checkpoint's,
 // so the world size and the engine may differ from the writer's. Every
 // host's ranks must see the same OUT (a shared file system) for writing
-// and for rank 0's reading. Not yet: asynchronous shard writes (the files
-// are written while training waits: each rank its part, in parallel), and
+// and for rank 0's reading. With asynchronous checkpoints each rank blocks
+// only while its part is copied to host memory (its share of the state);
+// its file is written by its background job, and rank 0's job, before it
+// writes the manifest, waits until every rank's file exists (each appears
+// whole, by rename; up to 10 minutes, or until the fit ends by an error),
+// so the agreement needs no collective off the training thread. Not yet:
 // reading only a rank's own part (every rank rebuilds the whole state on
 // resume, as a plain checkpoint's resume does).
 
@@ -136,21 +143,32 @@ struct ShardSet {
   torch::Tensor groups;  ///< the optimizer without state (rank 0's)
 };
 
-/// Writes this rank's part of `module` and `optimizer` to
-/// `checkpoints / folder / rank-R-of-W.pt` (atomically, durably): see
-/// Note [Sharded training checkpoints]. Returns what the manifest needs
-/// (index and groups on rank 0). Refuses non-finite values
-/// (NonFiniteError naming the tensor).
-inline ShardSet write_training_shards(const std::filesystem::path& checkpoints,
-                                      const std::string& folder,
-                                      const torch::nn::Module& module,
-                                      const torch::optim::Optimizer& optimizer,
-                                      int rank, int world) {
-  using ddpkit::detail::cat;
-  const auto names = parameter_names(module);
+/// One rank's part of a sharded checkpoint, collected and not yet written.
+struct RankShard {
+  ShardSet set;  ///< what the manifest needs (index and groups: rank 0's)
+  std::filesystem::path path;  ///< checkpoints / folder / rank-R-of-W.pt
+  int rank = 0, world = 1;
   ShardPieces pieces;
   ShardIndex metas;
   std::map<std::string, int64_t> scalars;
+};
+
+/// This rank's part of `module` and `optimizer` for a sharded checkpoint
+/// in `checkpoints / folder` (Note [Sharded training checkpoints]): views
+/// of the training state, or with `copy` host copies of it (what an
+/// asynchronous write blocks for: this rank's share).
+inline RankShard collect_training_shard(
+    const std::filesystem::path& checkpoints, const std::string& folder,
+    const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
+    int rank, int world, bool copy = false) {
+  auto own = [copy](const torch::Tensor& t) {
+    return copy ? t.detach().to(torch::kCPU).clone() : t;
+  };
+  const auto names = parameter_names(module);
+  RankShard r;
+  r.rank = rank;
+  r.world = world;
+  r.path = checkpoints / folder / shard_file_name(rank, world);
   for (const auto& part : checkpoint_parts(module, optimizer, rank)) {
     const auto it = names.find(part.param.unsafeGetTensorImpl());
     if (it == names.end()) {
@@ -159,44 +177,90 @@ inline ShardSet write_training_shards(const std::filesystem::path& checkpoints,
           "one of the model's parameters");
     }
     const auto meta = TensorMeta::of(part.param);
+    const auto values = own(part.values);
     for (const auto& n : it->second) {
-      pieces["model/" + n] = {part.begin, part.values};
-      metas["model/" + n] = meta;
+      r.pieces["model/" + n] = {part.begin, values};
+      r.metas["model/" + n] = meta;
     }
     const std::string prefix = "optimizer/" + it->second.front() + "/";
     for (const auto& [field, run] : part.state) {
-      pieces[prefix + field] = {part.begin, run};
+      r.pieces[prefix + field] = {part.begin, own(run)};
       TensorMeta m = meta;
       m.dtype = run.scalar_type();
-      metas[prefix + field] = m;
+      r.metas[prefix + field] = m;
     }
-    if (part.step) scalars[prefix + "step"] = *part.step;
+    if (part.step) r.scalars[prefix + "step"] = *part.step;
   }
-  ShardSet set{folder, world, {}, {}};
+  r.set = ShardSet{folder, world, {}, {}};
   if (rank == 0) {
     for (const auto& kv : module.named_buffers(/*recurse=*/true)) {
       const auto t = kv.value().detach();
-      pieces["model/" + kv.key()] = {0, memory_run(t, 0, t.numel())};
-      metas["model/" + kv.key()] = TensorMeta::of(t);
-      set.index["model/" + kv.key()] = TensorMeta::of(t);
+      r.pieces["model/" + kv.key()] = {0, own(memory_run(t, 0, t.numel()))};
+      r.metas["model/" + kv.key()] = TensorMeta::of(t);
+      r.set.index["model/" + kv.key()] = TensorMeta::of(t);
     }
     for (const auto& kv : module.named_parameters(/*recurse=*/true)) {
-      set.index["model/" + kv.key()] = TensorMeta::of(kv.value());
+      r.set.index["model/" + kv.key()] = TensorMeta::of(kv.value());
     }
-    set.groups = optimizer_bytes(*stateless_optimizer(optimizer));
+    r.set.groups = optimizer_bytes(*stateless_optimizer(optimizer));
   }
-  const auto path = checkpoints / folder / shard_file_name(rank, world);
-  for (const auto& [key, piece] : pieces) {
+  return r;
+}
+
+/// Writes `shard` to its file, atomically and durably; refuses a
+/// non-finite value (NonFiniteError naming the tensor and the file).
+inline void write_rank_shard(const RankShard& shard) {
+  for (const auto& [key, piece] : shard.pieces) {
     const auto& run = piece.second;
     if (run.is_floating_point() && !torch::isfinite(run).all().item<bool>()) {
-      throw NonFiniteError(cat("refusing to write checkpoint shard ",
-                               path.string(), ": '", key,
-                               "' holds non-finite values"));
+      throw NonFiniteError(ddpkit::detail::cat(
+          "refusing to write checkpoint shard ", shard.path.string(), ": '",
+          key, "' holds non-finite values"));
     }
   }
-  std::filesystem::create_directories(path.parent_path());
-  write_shard_file(path, rank, world, pieces, metas, scalars);
-  return set;
+  std::filesystem::create_directories(shard.path.parent_path());
+  write_shard_file(shard.path, shard.rank, shard.world, shard.pieces,
+                   shard.metas, shard.scalars);
+}
+
+/// collect_training_shard and write_rank_shard at once. Returns what the
+/// manifest needs (index and groups on rank 0).
+inline ShardSet write_training_shards(const std::filesystem::path& checkpoints,
+                                      const std::string& folder,
+                                      const torch::nn::Module& module,
+                                      const torch::optim::Optimizer& optimizer,
+                                      int rank, int world) {
+  RankShard shard = collect_training_shard(checkpoints, folder, module,
+                                           optimizer, rank, world);
+  write_rank_shard(shard);
+  return std::move(shard.set);
+}
+
+/// Waits until every file of `files` exists (each appears whole: written
+/// to a temporary and renamed), polling; an IoError naming the missing
+/// ones after `timeout`, or as soon as `cancelled()` (the fit is ending
+/// by an error).
+inline void wait_for_files(const std::vector<std::filesystem::path>& files,
+                           std::chrono::seconds timeout,
+                           const std::function<bool()>& cancelled) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    std::string missing;
+    for (const auto& f : files) {
+      std::error_code ec;
+      if (!std::filesystem::exists(f, ec)) {
+        missing += (missing.empty() ? "" : ", ") + f.string();
+      }
+    }
+    if (missing.empty()) return;
+    if (cancelled() || std::chrono::steady_clock::now() > deadline) {
+      throw IoError(ddpkit::detail::cat(
+          "sharded checkpoint: ", cancelled() ? "the fit ended" : "timed out",
+          " before every rank's part was written (missing: ", missing,
+          "); the previous checkpoint is kept"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 /// `set` as the manifest's "shards" entry.
