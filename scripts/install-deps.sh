@@ -12,7 +12,10 @@
 #     (DDPKIT_CLANG_FORMAT_VERSION, default 21.1.8) for the format check.
 # Does nothing, and needs no network, when everything is already there.
 #
-#   DDPKIT_VENV=DIR        the environment's folder (default .venv)
+#   DDPKIT_VENV=DIR        the environment's folder (default: .venv, a link
+#                          to DDPKIT_VENV_HOME/venv-torch<V>-vision<V>,
+#                          shared by the machine's checkouts; DDPKIT_VENV_HOME
+#                          defaults to ~/.cache/ddpkit)
 #   DDPKIT_TORCH_VERSION   torch version for it (default 2.11.0; torchvision
 #                          DDPKIT_TORCHVISION_VERSION, default 0.26.0)
 #   DDPKIT_WITH_VENV=0     Debian packages only
@@ -23,6 +26,9 @@ cd "$(dirname "$0")/.."
 pkgs=(cmake ninja-build g++ pkg-config libtorch-dev libgloo-dev librange-v3-dev
       doctest-dev libbenchmark-dev libturbojpeg0-dev libjpeg62-turbo-dev
       libpng-dev libcli11-dev python3-venv
+      # scripts/test.sh compiles through ccache (a rerun of the same tree,
+      # as CI's clean clone after a session's own run, compiles nothing).
+      ccache
       # `script`: the progress-bar test runs an example under a pseudo-terminal.
       bsdutils
       # Multi-host tests (tests/multihost/netns.sh): ip netns, unshare, nsenter.
@@ -45,6 +51,20 @@ fi
 venv=${DDPKIT_VENV:-.venv}
 torch_v=${DDPKIT_TORCH_VERSION:-2.11.0}
 vision_v=${DDPKIT_TORCHVISION_VERSION:-0.26.0}
+# By default the environment is shared by every checkout on the machine
+# (5 GB each otherwise; a fresh clone, as CI makes, would download 3 GB
+# again): it lives in DDPKIT_VENV_HOME (default ~/.cache/ddpkit), one
+# folder per torch/torchvision pair, and .venv is a link to it. With
+# DDPKIT_VENV set, or a .venv folder already there, that is used as before.
+if [[ -z ${DDPKIT_VENV:-} && ( -L .venv || ! -e .venv ) ]]; then
+  shared=${DDPKIT_VENV_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/ddpkit}/venv-torch$torch_v-vision$vision_v
+  mkdir -p "$(dirname "$shared")"
+  [[ -L .venv ]] || ln -s "$shared" .venv
+  venv=$(readlink .venv)
+  # One install at a time into the shared folder.
+  exec 9>"$venv.lock"
+  flock 9
+fi
 tb_v=${DDPKIT_TENSORBOARD_VERSION:-2.21.0}
 # clang-format that understands C++20 (concepts, requires clauses); Debian
 # bookworm's is 14. scripts/check-format.sh uses this one.

@@ -49,6 +49,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+# Every compile goes through ccache (Debian's, which install-deps.sh
+# installs) into its cache folder (default ~/.cache/ccache), with paths
+# taken relative to this checkout: a rerun of the same tree compiles
+# nothing, from any folder (CI's clean clone after a session's own run).
+# CMake takes the launcher from these variables when it configures a fresh
+# build folder (the consumers of tests/cmake_import and fuzz.sh too).
+# DDPKIT_CCACHE=0 compiles everything. The summary names its hits.
+if [[ ${DDPKIT_CCACHE:-1} != 0 ]] && command -v ccache >/dev/null; then
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_C_COMPILER_LAUNCHER=ccache
+  export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=true
+  export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+  export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-16G}
+  ccache --zero-stats >/dev/null
+fi
 jobs=${DDPKIT_JOBS:-$(nproc)}
 flags=${DDPKIT_TEST_FLAGS:--O1 -DNDEBUG}
 t0=$(date +%s)
@@ -60,6 +74,9 @@ finish() {
   echo
   echo "== summary ($(($(date +%s) - t0)) s)"
   for line in "${summary[@]}"; do echo "  $line"; done
+  if [[ -n ${CMAKE_CXX_COMPILER_LAUNCHER:-} ]]; then
+    echo "  ccache: $(ccache --print-stats 2>/dev/null | awk -F'\t' '$1 ~ /^(direct_cache_hit|preprocessed_cache_hit|cache_miss|could_not_use_precompiled_header|uncacheable)$/ { printf "%s %s  ", $1, $2 }')"
+  fi
   ((rc == 0)) || echo "  FAILED (exit $rc) in the stage after the last line above"
 }
 trap finish EXIT

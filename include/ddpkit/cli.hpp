@@ -61,6 +61,8 @@ struct CommonArgs {
   bool sharded_checkpoint = false;    ///< every rank writes its own part
   std::string consolidate;     ///< write the checkpoint's model here, and exit
   bool meter_memory = false;   ///< meter the CPU allocator (peak_step)
+  bool static_graph = false;   ///< DDP builds: DDPOptions::static_graph
+  bool cuda_graphs = false;    ///< --cuda-graphs (refused: see finish_args)
   double eval_timeout = 3600;  ///< seconds others wait for rank 0's eval
   /// --monitor: what "best" means (early stopping, keep-best, best.pt,
   /// summary.json); "" : the task's own. --mode: min or max ("": the
@@ -163,6 +165,10 @@ inline void add_common_options(CLI::App& app, CommonArgs& args) {
                "memory_bytes_per_rank gains step_peak_allocated and "
                "peak_step (measured per step; one small heap object per "
                "CPU allocation)");
+  app.add_flag("--cuda-graphs", args.cuda_graphs,
+               "capture the whole training step in a CUDA graph and replay "
+               "it. Not built yet: refused with exit 2 (on a machine without "
+               "CUDA, naming that first)");
   app.add_flag("--checkpoint-on-signal,!--no-checkpoint-on-signal",
                args.checkpoint_on_signal,
                "on SIGTERM/SIGINT, finish the batch, write checkpoints/last.pt "
@@ -280,9 +286,22 @@ template <class Mode>
 constexpr bool has_zero_stage =
     requires(typename Mode::options_type o) { o.stage(1); };
 
-/// The options only some modes have: `--zero-stage 1|2|3` in a ZeRO build.
+/// Whether `Mode`'s options have DDP's static_graph.
+template <class Mode>
+constexpr bool has_static_graph =
+    requires(typename Mode::options_type o) { o.static_graph(true); };
+
+/// The options only some modes have: `--zero-stage 1|2|3` in a ZeRO build,
+/// `--static-graph` in a DDP build.
 template <class Mode>
 void add_mode_options(CLI::App& app, CommonArgs& args) {
+  if constexpr (has_static_graph<Mode>) {
+    app.add_flag("--static-graph", args.static_graph,
+                 "DDP's static_graph: the graph is the same every step, "
+                 "recorded in the first (which reduces its gradients after "
+                 "backward); allows a module run twice under activation "
+                 "checkpointing");
+  }
   if constexpr (has_zero_stage<Mode>) {
     app.add_option("--zero-stage", args.zero_stage,
                    "ZeRO stage: 1 shards the optimizer state across "
@@ -314,6 +333,7 @@ template <class Mode>
 typename Mode::options_type mode_options(const CommonArgs& args) {
   auto o = parallel_options<Mode>(args.devices);
   if constexpr (has_zero_stage<Mode>) o.stage(args.zero_stage);
+  if constexpr (has_static_graph<Mode>) o.static_graph(args.static_graph);
   return o;
 }
 
@@ -374,6 +394,21 @@ std::optional<int> finish_args(CommonArgs& args, const std::string& example) {
                  "(torch::cuda::is_available() is false); on a CPU use "
                  "--precision bf16-mixed\n",
                  args.amp ? "--amp" : "--precision 16-mixed");
+    return 2;
+  }
+  if (args.cuda_graphs) {
+    if (!torch::cuda::is_available()) {
+      std::fprintf(stderr,
+                   "error: --cuda-graphs captures the training step in a CUDA "
+                   "graph and needs a CUDA device, and none is visible "
+                   "(torch::cuda::is_available() is false)\n");
+    } else {
+      std::fprintf(stderr,
+                   "error: --cuda-graphs: whole-step CUDA graph capture is "
+                   "not built yet in this version of ddpkit; run without it "
+                   "(train::check_capture_safety lists what in a step "
+                   "would stop a capture)\n");
+    }
     return 2;
   }
   if (args.out.empty()) args.out = "runs/" + example + "-" + Mode::name;

@@ -10,6 +10,7 @@
 #include "ddpkit/concepts.hpp"
 #include "ddpkit/data.hpp"
 #include "ddpkit/distributed.hpp"
+#include "ddpkit/nn/activation_checkpoint.hpp"
 #include "ddpkit/nn/models.hpp"
 #include "ddpkit/parallel.hpp"
 #include "ddpkit/policies.hpp"

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "ddpkit/train/auto_settings.hpp"
+#include "ddpkit/train/capture_safety.hpp"
 #include "ddpkit/train/checkpoint.hpp"
 #include "ddpkit/train/checkpoint_connector.hpp"
 #include "ddpkit/train/checkpoint_queue.hpp"

@@ -8,6 +8,7 @@
 
 #include "../support.hpp"
 #include "ddpkit/data.hpp"
+#include "ddpkit/nn/activation_checkpoint.hpp"
 #include "ddpkit/nn/bn_policies.hpp"
 #include "ddpkit/parallel.hpp"
 #include "nets.hpp"
@@ -87,6 +88,23 @@ struct Float16Wire {
   }
 };
 using MyDDP = ddpkit::parallel::BasicDDP<Float16Wire>;
+
+/// The plain mean, sent from a copy taken when the bucket is launched (the
+/// shared-memory all-reduce reads the bucket only when waited for, which
+/// would hide a bucket launched before its last gradient came in).
+struct CopyAtLaunch {
+  static constexpr const char* name = "copy_at_launch";
+  ddpkit::parallel::CommFuture run(const ddpkit::dist::Group& g,
+                                   ddpkit::parallel::GradBucket& b) {
+    auto sent = b.buffer.div(g.size());
+    return ddpkit::parallel::CommFuture(ddpkit::dist::all_reduce_async(g, sent))
+        .then([buf = b.buffer, sent]() mutable {
+          buf.copy_(sent);
+          return ddpkit::dist::compat::WorkPtr();
+        });
+  }
+};
+using CopyAtLaunchDDP = ddpkit::parallel::BasicDDP<CopyAtLaunch>;
 
 template <class Policy>
 int train_ddp_worker(parallel::DDPOptions opts, bool bn, bool nosync) {
@@ -772,6 +790,106 @@ DDPKIT_WORKER(ready_twice) {
   std::ofstream(test::worker_dir() / ("error" + std::to_string(g.rank())))
       << in_flight << " in flight\n"
       << msg;
+  return 0;
+}
+
+/// A block run twice per forward (shared weights), each call under
+/// nn::checkpoint when `ckpt` (reentrant: each call's gradients come in a
+/// backward of its own, so block's are accumulated twice), and a layer no
+/// forward uses.
+struct TwiceNetImpl : torch::nn::Module {
+  explicit TwiceNetImpl(bool ckpt) : ckpt(ckpt) {
+    stem = register_module("stem", torch::nn::Linear(3, 8));
+    block = register_module("block", torch::nn::Linear(8, 8));
+    unused = register_module("unused", torch::nn::Linear(8, 8));
+    head = register_module("head", torch::nn::Linear(8, 5));
+  }
+  torch::Tensor run_block(torch::Tensor x) {
+    auto f = [this](torch::Tensor t) { return torch::tanh(block(t)); };
+    return ckpt ? ddpkit::nn::checkpoint(f, x) : f(x);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::tanh(stem(x.mean({2, 3})));
+    x = run_block(x);
+    if (twice) x = run_block(x);
+    return head(x);
+  }
+  bool ckpt;
+  bool twice = true;
+  torch::nn::Linear stem{nullptr}, block{nullptr}, unused{nullptr},
+      head{nullptr};
+};
+TORCH_MODULE(TwiceNet);
+
+TwiceNet make_twice(uint64_t seed, bool ckpt) {
+  torch::manual_seed(seed);
+  return TwiceNet(ckpt);
+}
+
+/// kSteps of SGD with momentum on TwiceNet: one process on the joined batch
+/// (`eng` null), or this rank's part through DDP.
+void train_twice(TwiceNet& net, int world, int rank,
+                 CopyAtLaunchDDP::engine<TwiceNet>* eng) {
+  auto opt = test::make_sgd(*net);
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = test::global_batch(s, world * kPerRank);
+    opt.zero_grad();
+    if (eng) {
+      x = x.narrow(0, rank * kPerRank, kPerRank);
+      y = y.narrow(0, rank * kPerRank, kPerRank);
+      eng->zero_grad();
+      eng->forward_backward(x, y, test::ce_loss);
+    } else {
+      test::ce_loss(net->forward(x), y).backward();
+    }
+    opt.step();
+  }
+}
+
+/// static_graph (`T_STATIC=1`) or the dynamic path with
+/// find_unused_parameters, on TwiceNet checkpointed (`T_CKPT=1`) or not,
+/// with one parameter a bucket, each bucket's content copied when it is
+/// launched (CopyAtLaunch): trains kSteps and writes twice<r>.pt, or
+/// the error to error<r> (exit 5). Also writes counts<r> (static: the
+/// recorded gradient counts, and whether `unused` kept an undefined
+/// gradient). `T_CHANGE=1`: after the steps, one forward runs the block
+/// once: the error goes to changed<r> with the buckets left in flight.
+DDPKIT_WORKER(static_graph) {
+  auto g = test::worker_group();
+  const bool static_graph = env_or("T_STATIC", "1") == "1";
+  auto net = make_twice(70 + g.rank(), env_or("T_CKPT", "1") == "1");
+  parallel::DDPOptions opts;
+  opts.reducer(one_param_buckets().find_unused_parameters(!static_graph));
+  opts.static_graph(static_graph);
+  CopyAtLaunchDDP::engine<TwiceNet> eng(net, g, opts, torch::kCPU);
+  const auto r = std::to_string(g.rank());
+  try {
+    train_twice(net, g.size(), g.rank(), &eng);
+  } catch (const std::exception& e) {
+    std::ofstream(test::worker_dir() / ("error" + r)) << e.what();
+    return 5;
+  }
+  {
+    std::ofstream out(test::worker_dir() / ("counts" + r));
+    for (auto c : eng.reducer()->static_gradient_counts()) out << c << ' ';
+    out << "| unused grad "
+        << (net->unused->weight.grad().defined() ? "defined" : "undefined");
+  }
+  torch::save(net, (test::worker_dir() / ("twice" + r + ".pt")).string());
+  if (env_or("T_CHANGE", "0") == "1") {
+    net->twice = false;
+    auto [x, y] = test::global_batch(0, kPerRank);
+    std::string msg = "(no error)";
+    try {
+      eng.zero_grad();
+      eng.forward_backward(x, y, test::ce_loss);
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    std::ofstream(test::worker_dir() / ("changed" + r))
+        << eng.reducer()->buckets_in_flight() << " in flight\n"
+        << msg;
+  }
   return 0;
 }
 
@@ -1760,6 +1878,63 @@ TEST_SUITE("parallel") {
       CHECK(msg.rfind("0 in flight\n", 0) == 0);
       CHECK(msg.find("parameter fc2.weight was marked ready twice") !=
             std::string::npos);
+    }
+  }
+
+  TEST_CASE(
+      "DDP static_graph: a module run twice under reentrant activation "
+      "checkpointing, refused by the dynamic path, equals one process") {
+    // One process: the checkpointed net equals the plain one.
+    auto ref = make_twice(70, false);
+    train_twice(ref, 2, 0, nullptr);
+    auto ref_ckpt = make_twice(70, true);
+    train_twice(ref_ckpt, 2, 0, nullptr);
+    const double d_ckpt = test::max_state_diff(*ref_ckpt, *ref);
+    MESSAGE("one process, checkpointed vs plain: ", d_ckpt);
+    CHECK(d_ckpt <= 1e-6);
+    {
+      TempDir dir;
+      auto res = run_workers("static_graph", 2, dir.str(), {{"T_STATIC", "0"}});
+      CHECK(res.exit_code == 5);
+      std::ifstream in(dir / "error0");
+      std::string msg((std::istreambuf_iterator<char>(in)), {});
+      MESSAGE("dynamic path: ", msg);
+      CHECK(msg.find("block.") != std::string::npos);
+      CHECK(msg.find("marked ready twice") != std::string::npos);
+    }
+    for (const std::string ckpt : {"1", "0"}) {
+      CAPTURE(ckpt);
+      TempDir dir;
+      auto res = run_workers("static_graph", 2, dir.str(),
+                             {{"T_CKPT", ckpt}, {"T_CHANGE", ckpt}});
+      CAPTURE(res.message);
+      REQUIRE(res.ok());
+      for (int r = 0; r < 2; ++r) {
+        const auto rs = std::to_string(r);
+        auto net = make_twice(0, ckpt == "1");
+        torch::load(net, (dir / ("twice" + rs + ".pt")).string());
+        const double d = test::max_state_diff(*net, *ref);
+        MESSAGE("static graph, checkpointed ", ckpt, ", rank ", r,
+                ": max relative difference to one process ", d);
+        CHECK(d <= 1e-5);
+        std::ifstream in(dir / ("counts" + rs));
+        std::string counts((std::istreambuf_iterator<char>(in)), {});
+        MESSAGE(
+            "recorded counts (stem.w, stem.b, block.w, block.b, "
+            "unused.w, unused.b, head.w, head.b): ",
+            counts);
+        // Checkpointed: block's gradients come in two backwards.
+        CHECK(counts == (ckpt == "1"
+                             ? "1 1 2 2 0 0 1 1 | unused grad undefined"
+                             : "1 1 1 1 0 0 1 1 | unused grad undefined"));
+        if (ckpt == "1") {
+          std::ifstream ch(dir / ("changed" + rs));
+          std::string msg((std::istreambuf_iterator<char>(ch)), {});
+          MESSAGE("graph changed: ", msg);
+          CHECK(msg.rfind("0 in flight\n", 0) == 0);
+          CHECK(msg.find("block.weight (1 of 2)") != std::string::npos);
+        }
+      }
     }
   }
 

@@ -5,6 +5,7 @@
 #include "ddpkit/parallel/foreach_adam.hpp"
 #include "ddpkit/parallel/foreach_sgd.hpp"
 #include "ddpkit/parallel/loss_scaler.hpp"
+#include "ddpkit/train/capture_safety.hpp"
 
 using namespace ddpkit;
 
@@ -238,6 +239,56 @@ TEST_SUITE("train") {
       CHECK(scaler.scale() == before / 2);
     }
 #endif
+  }
+}  // TEST_SUITE("train")
+
+TEST_SUITE("train") {
+  TEST_CASE(
+      "check_capture_safety: a plain SGD step passes; an inserted item() and "
+      "a shrinking batch are named") {
+    torch::manual_seed(5);
+    torch::nn::Linear net(6, 3);
+    torch::optim::SGD opt(net->parameters(),
+                          torch::optim::SGDOptions(0.1).momentum(0.9));
+    const auto x = torch::randn({8, 6});
+    const auto y = torch::randint(0, 3, {8}, torch::kLong);
+    bool read_loss = false;
+    int64_t n = 8;
+    auto step = [&] {
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(net(x.narrow(0, 0, n)),
+                                                       y.narrow(0, 0, n));
+      if (read_loss) (void)loss.item<float>();  // the host sync
+      loss.backward();
+      opt.step();
+    };
+    const auto plain = train::check_capture_safety(step);
+    MESSAGE("plain step: ", plain.summary());
+    CHECK(plain.ok());
+    REQUIRE(plain.ops_per_step.size() == 2);
+    CHECK(plain.ops_per_step[0] >= 10);  // forward, backward and the step
+
+    read_loss = true;
+    const auto synced = train::check_capture_safety(step);
+    MESSAGE("with loss.item(): ", synced.summary());
+    REQUIRE(synced.violations.size() == 2);  // once per checked step
+    CHECK(synced.violations[0].kind == "host sync");
+    CHECK(synced.violations[0].op == "aten::item");
+    CHECK(synced.violations[0].index > 0);
+
+    read_loss = false;
+    const auto shrinking = train::check_capture_safety([&] {
+      step();
+      --n;
+    });
+    MESSAGE("shrinking batch: ", shrinking.summary());
+    REQUIRE(shrinking.violations.size() == 1);
+    CHECK(shrinking.violations[0].kind == "step differs");
+    CHECK(shrinking.violations[0].step == 1);
+    CHECK(shrinking.violations[0].detail.find("[4, 6]") != std::string::npos);
+    CHECK_THROWS_AS(train::check_capture_safety(
+                        step, train::CaptureSafetyOptions().checked_steps(0)),
+                    UsageError);
   }
 }  // TEST_SUITE("train")
 

@@ -79,6 +79,20 @@ struct DDPOptions {
   /// Settings of the communication hook (PowerSGD's rank, RuntimeComm's
   /// choice), given to a hook constructible from CommOptions.
   TORCH_ARG(CommOptions, comm) = {};
+
+ public:
+  /// PyTorch's static_graph (ReducerOptions::static_graph): the same graph
+  /// every step, recorded in the first; what it buys is a parameter whose
+  /// gradient is accumulated several times in one backward (a module run
+  /// twice under reentrant activation checkpointing, nn::checkpoint), which
+  /// the dynamic path refuses. See Note [Static graphs] (reducer.hpp).
+  DDPOptions& static_graph(bool on) {
+    reducer_.static_graph(on);
+    return *this;
+  }
+  bool static_graph() const {
+    return reducer_.static_graph();
+  }
 };
 
 /// One process per device; gradients averaged across processes by the
@@ -167,7 +181,8 @@ struct BasicDDP {
       }
       torch::Tensor out = data::forward_inputs(model_, x);
       if (reducer_ && torch::GradMode::is_enabled() &&
-          opts_.reducer().find_unused_parameters()) {
+          opts_.reducer().find_unused_parameters() &&
+          !opts_.reducer().static_graph()) {
         reducer_->prepare_for_backward({out});  // the unused-parameter walk
       }
       return out;
@@ -186,6 +201,7 @@ struct BasicDDP {
         Trace::Span span(*trace_or_null(), "backward + reduce");
         try {
           loss.backward();
+          if (reducer_) reducer_->finish_backward();
         } catch (...) {
           // A throwing backward (a failing op, a refused step) leaves no
           // all-reduce in flight: the caller may skip this batch and go on.

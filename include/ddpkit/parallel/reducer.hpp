@@ -73,6 +73,35 @@ namespace ddpkit::parallel {
 // after `.grad` was set to None: the Trainer test asserts 0 after whole
 // epochs.
 
+// Note [Static graphs]
+// ~~~~~~~~~~~~~~~~~~~~
+// With `ReducerOptions::static_graph` (PyTorch's `static_graph`) the first
+// synchronised backward records, per parameter, how many times its gradient
+// is accumulated (the post-hook of its AccumulateGrad runs once per
+// accumulation: twice for a module run twice under reentrant activation
+// checkpointing, where each recomputation runs its own backward; 0 for an
+// unused one). That step launches nothing during backward: `finish_backward()`
+// (the DDP engine calls it once `loss.backward()` has returned) checks that
+// the counts agree on every rank (one all-reduce of the counts and their
+// squares: equal everywhere iff W·Σc² = (Σc)², the same verdict on every
+// rank), then reduces every bucket, and rebuilds the buckets in the order
+// the parameters' last accumulations came (unused ones first). From the
+// second step a parameter is marked ready when its count is reached, so
+// buckets overlap with backward again; the unused ones are marked ready at
+// the step's first gradient (no graph walk, no used-flag all-reduce: a
+// parameter unused on every rank keeps an undefined gradient, as with
+// find_unused_parameters). The end-of-backward callback is queued when the
+// last bucket launches, not at the first gradient: a reentrant backward
+// runs in its own graph task, and a callback queued there runs when that
+// nested backward ends, which is only safe once every gradient is in. A
+// gradient accumulated more often than recorded is an error at once; fewer
+// (the callback never queued) is an error from `finish_backward()` naming
+// the parameters; either way nothing stays in flight. Tests (parallel
+// suite): a block run twice under ddpkit::nn::checkpoint at world 2 —
+// refused by the dynamic path ("marked ready twice"), equal to one process
+// on the joined batch under static_graph; static and dynamic paths equal on
+// an ordinary model with an unused parameter.
+
 /// Averages the gradients of `params` across the ranks of `group` during
 /// backward. Construct it once; every `backward()` afterwards leaves averaged
 /// gradients in `.grad` by the time it returns (a callback queued on the
@@ -99,6 +128,14 @@ class Reducer : public BucketStore {
         trace_(trace),
         comm_(std::move(comm)) {
     check_owners(params.size());
+    if (opts_.static_graph()) {
+      if (!opts_.gradient_owners().empty()) {
+        throw Error(
+            "DDP: static_graph applies to DDP's all-reduce, not to ZeRO-2's "
+            "reduce to each bucket's owner (gradient_owners is set)");
+      }
+      static_phase_ = StaticPhase::recording;
+    }
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (!params[i].requires_grad()) continue;
       std::string name =
@@ -126,6 +163,7 @@ class Reducer : public BucketStore {
       order[k] = order.size() - 1 - k;
     }
     build_buckets(order);
+    fires_.assign(params_.size(), 0);
     adopt_existing_grads();
     // A hook's collective set-up (e.g. a capability probe) runs here, at
     // the same point on every rank, not inside the first backward.
@@ -216,12 +254,56 @@ class Reducer : public BucketStore {
   void prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
     std::lock_guard<std::mutex> lock(mutex_);
     finish_abandoned();
-    if (!opts_.find_unused_parameters()) return;
+    if (!uses_flags()) return;
     const auto seen = detail::reachable_nodes(outputs);
     expect_unused_.clear();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (!seen.count(accumulators_[i].get())) expect_unused_.push_back(i);
     }
+  }
+
+  /// After each backward (the DDP engine calls it once `loss.backward()`
+  /// has returned): with static_graph, reduces the first step's buckets
+  /// (see Note [Static graphs]) and reports a later step whose parameters
+  /// got fewer gradients than recorded. A no-op otherwise.
+  void finish_backward() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (static_phase_ == StaticPhase::off || state_ != StepState::running) {
+      return;
+    }
+    if (static_phase_ == StaticPhase::recording) {
+      finalize_recording();
+      return;
+    }
+    std::string list;
+    std::size_t short_of = 0;
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+      if (ready_[k]) continue;
+      if (++short_of <= 10) {
+        list += ddpkit::detail::cat(short_of > 1 ? ", " : "", names_[k], " (",
+                                    fires_[k], " of ", expected_[k], ")");
+      }
+    }
+    if (short_of > 10) list += ", ...";
+    (void)drain_and_reset();
+    throw Error(ddpkit::detail::cat(
+        "DDP static_graph: ", short_of,
+        " parameter(s) received fewer gradients in this backward than in the "
+        "first step: ",
+        list,
+        ". The graph changed, which static_graph does not allow (turn it off "
+        "for this model)"));
+  }
+
+  /// With static_graph: whether the first step has recorded the graph.
+  bool static_graph_recorded() const {
+    return static_phase_ == StaticPhase::fixed;
+  }
+  /// With static_graph, after the first step: how many times each
+  /// parameter's gradient is accumulated in one backward (de-duplicated
+  /// parameters, in the order given).
+  const std::vector<int32_t>& static_gradient_counts() const {
+    return expected_;
   }
 
   /// Uneven inputs (PyTorch's Join): on a rank that has run out of
@@ -236,6 +318,12 @@ class Reducer : public BucketStore {
     if (state_ == StepState::running) {
       throw Error("DDP: join_shadow_step() called during a backward");
     }
+    if (static_phase_ == StaticPhase::recording) {
+      throw Error(
+          "DDP static_graph: this rank ran out of batches before the first "
+          "synchronised step, which records the graph; give every rank at "
+          "least one batch");
+    }
     torch::NoGradGuard no_grad;
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
       if (!buckets_[bi].flat.defined()) allocate_unowned(bi);
@@ -243,9 +331,7 @@ class Reducer : public BucketStore {
       launch(bi);
     }
     dist::compat::WorkPtr used_work;
-    if (opts_.find_unused_parameters()) {
-      used_work = start_used_flags(nullptr).second;
-    }
+    if (uses_flags()) used_work = start_used_flags(nullptr).second;
     std::exception_ptr failed;
     complete_buckets("gradient all-reduce (joined)", failed);
     release_unowned();
@@ -444,6 +530,15 @@ class Reducer : public BucketStore {
     expect_unused_.clear();
     arrival_.clear();
     step_unowned_held_ = 0;
+    std::fill(fires_.begin(), fires_.end(), 0);
+    fire_order_.clear();
+    finalize_queued_ = false;
+  }
+
+  // find_unused_parameters' used-flag all-reduce (a recorded static graph
+  // knows the unused parameters without it).
+  bool uses_flags() const {
+    return opts_.find_unused_parameters() && static_phase_ == StaticPhase::off;
   }
 
   // A step is abandoned when it is running but the graph task that held
@@ -507,6 +602,15 @@ class Reducer : public BucketStore {
   }
 
   void finish_abandoned() {
+    if (static_phase_ != StaticPhase::off) {
+      if (state_ != StepState::running || !callback_token_.expired()) return;
+      auto error = drain_and_reset();
+      throw Error(ddpkit::detail::cat(
+          "DDP static_graph: the previous backward was neither finished "
+          "(Reducer::finish_backward) nor abandoned (Reducer::abandon_step); "
+          "the DDP engine calls them",
+          error.empty() ? "" : "; waiting for its buckets failed: ", error));
+    }
     if (!step_abandoned()) return;
     auto error = drain_and_reset();
     if (!error.empty()) {
@@ -557,6 +661,10 @@ class Reducer : public BucketStore {
     std::lock_guard<std::mutex> lock(mutex_);
     used_[i] = 1;           // also under no_sync: it has a gradient to average
     if (!enabled_) return;  // no_sync: the sum stays in .grad
+    if (static_phase_ != StaticPhase::off) {
+      on_accumulated_static(i);
+      return;
+    }
     if (step_abandoned()) {
       throw Error(ddpkit::detail::cat(
           "DDP: the previous step's reduction did not finish (its backward "
@@ -604,6 +712,127 @@ class Reducer : public BucketStore {
     torch::NoGradGuard no_grad;
     adopt_grad(i);
     mark_ready(i);
+  }
+
+  // See Note [Static graphs].
+  void on_accumulated_static(std::size_t i) {
+    torch::NoGradGuard no_grad;
+    if (state_ != StepState::running) {
+      state_ = StepState::running;
+      step_bytes_at_start_ = group_.bytes_started();
+      count_loose_gradients(i);
+      if (static_phase_ == StaticPhase::fixed) {
+        for (std::size_t k = 0; k < params_.size(); ++k) {
+          if (expected_[k] != 0) continue;
+          adopt_grad(k);
+          mark_ready(k);
+        }
+      }
+    }
+    const int32_t n = ++fires_[i];
+    adopt_grad(i);  // later accumulations add into the bucket view
+    if (static_phase_ == StaticPhase::recording) {
+      fire_order_.push_back(i);
+      return;
+    }
+    if (n > expected_[i]) {
+      throw Error(ddpkit::detail::cat(
+          "DDP static_graph: parameter ", names_[i], " received a gradient ", n,
+          " times in this backward, but ", expected_[i],
+          " times in the first step: the graph changed, which static_graph "
+          "does not allow (turn it off for this model)"));
+    }
+    if (n < expected_[i]) return;
+    mark_ready(i);
+    if (next_to_launch_ == buckets_.size() && !finalize_queued_) {
+      // Every gradient is in: the callback may run at the end of whichever
+      // (possibly nested) graph task is current.
+      finalize_queued_ = true;
+      auto token = std::make_shared<char>();
+      callback_token_ = token;
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [this, token] { finalize(); });
+    }
+  }
+
+  // The static graph's first step, after backward (see Note [Static
+  // graphs]): the counts agreed across ranks, every bucket reduced, the
+  // buckets rebuilt in the order of the last accumulations.
+  void finalize_recording() {
+    torch::NoGradGuard no_grad;
+    const auto t0 = Trace::clock::now();
+    const std::size_t n = params_.size();
+    auto stats = torch::zeros({static_cast<int64_t>(2 * n)}, torch::kLong);
+    auto* st = stats.data_ptr<int64_t>();
+    for (std::size_t k = 0; k < n; ++k) {
+      st[k] = fires_[k];
+      st[n + k] = static_cast<int64_t>(fires_[k]) * fires_[k];
+    }
+    if (!group_.device().is_cpu()) stats = stats.to(group_.device());
+    {
+      dist::CollectiveTag tag("static graph counts");
+      dist::all_reduce(group_, stats);
+    }
+    stats = stats.cpu();
+    st = stats.data_ptr<int64_t>();
+    const int64_t world = group_.size();
+    for (std::size_t k = 0; k < n; ++k) {
+      if (st[n + k] * world == st[k] * st[k]) continue;
+      const auto mine = fires_[k];
+      (void)drain_and_reset();
+      throw Error(ddpkit::detail::cat(
+          "DDP static_graph: the ranks' graphs differ in the first step: "
+          "parameter ",
+          names_[k], " received a gradient ", mine,
+          " time(s) on this rank and ", st[k], " in total over ", world,
+          " ranks; static_graph needs the same graph on every rank"));
+    }
+    expected_.assign(fires_.begin(), fires_.end());
+    // Unused parameters first (ready at a step's start), then by the
+    // position of each parameter's last accumulation.
+    std::vector<std::size_t> last(n, 0);
+    for (std::size_t pos = 0; pos < fire_order_.size(); ++pos) {
+      last[fire_order_[pos]] = pos + 1;
+    }
+    std::vector<std::size_t> order(n);
+    for (std::size_t k = 0; k < n; ++k) order[k] = k;
+    std::stable_sort(
+        order.begin(), order.end(),
+        [&](std::size_t a, std::size_t b) { return last[a] < last[b]; });
+    in_finalize_ = true;
+    ddpkit::detail::ScopeExit leave([this] { in_finalize_ = false; });
+    launched_now_ = 0;
+    launched_in_backward_ = 0;
+    for (auto k : order) {
+      adopt_grad(k);
+      mark_ready(k);
+    }
+    std::exception_ptr failed;
+    complete_buckets("gradient all-reduce", failed);
+    restore_unused_grads();
+    if (!failed && opts_.rebuild_buckets() && rebuilds_ == 0 &&
+        rebuild_allowed_ && arrival_.size() == n) {
+      rebuild_in_arrival_order();
+    }
+    static_phase_ = StaticPhase::fixed;
+    ++steps_completed_;
+    last_step_bytes_ = group_.bytes_started() - step_bytes_at_start_;
+    reset_step();
+    if (failed) std::rethrow_exception(failed);
+    const auto t1 = Trace::clock::now();
+    last_wait_seconds_ = std::chrono::duration<double>(t1 - t0).count();
+    if (trace_) trace_->record("wait after backward", t0, t1, 0);
+  }
+
+  // A recorded static graph: a parameter no rank uses keeps the undefined
+  // gradient it had before the step (as find_unused_parameters gives).
+  void restore_unused_grads() {
+    if (expected_.empty()) return;
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+      if (expected_[k] == 0 && was_undefined_[k]) {
+        params_[k].mutable_grad() = torch::Tensor();
+      }
+    }
   }
 
   void mark_ready(std::size_t i) {
@@ -709,7 +938,7 @@ class Reducer : public BucketStore {
     // same point on every rank).
     torch::Tensor used_by;
     dist::compat::WorkPtr used_work;
-    if (opts_.find_unused_parameters()) {
+    if (uses_flags()) {
       std::tie(used_by, used_work) = start_used_flags(&used_);
     }
     // Wait for every bucket; the averages land in place, in .grad. After a
@@ -724,6 +953,7 @@ class Reducer : public BucketStore {
     }
     complete_buckets("gradient all-reduce", failed);
     release_unowned();  // ZeRO-2: what other ranks own
+    if (static_phase_ == StaticPhase::fixed) restore_unused_grads();
     if (used_work &&
         wait_keeping_first(used_work, "used-parameter all-reduce", failed)) {
       // Unused on every rank: its gradient stays as it was before the step
@@ -779,6 +1009,13 @@ class Reducer : public BucketStore {
   bool rebuild_allowed_ = true;
   std::mutex mutex_;
   bool enabled_ = true;
+  // See Note [Static graphs].
+  enum class StaticPhase { off, recording, fixed };
+  StaticPhase static_phase_ = StaticPhase::off;
+  std::vector<int32_t> fires_;     // accumulations per parameter this step
+  std::vector<int32_t> expected_;  // recorded by the first step
+  std::vector<std::size_t> fire_order_;  // the first step's accumulations
+  bool finalize_queued_ = false;
   double last_wait_seconds_ = 0;
 };
 

@@ -64,6 +64,20 @@ struct ReducerOptions {
   /// PyTorch does once: a model whose modules are registered in another
   /// order than they run still overlaps communication with backward.
   TORCH_ARG(bool, rebuild_buckets) = true;
+  /// PyTorch's static_graph: the graph is the same in every step, so the
+  /// first synchronised step records how many times each parameter's
+  /// gradient is accumulated in one backward (0: unused; 2 or more: used
+  /// in several reentrant backwards, e.g. a module run twice under
+  /// activation checkpointing) and reduces every bucket once backward has
+  /// ended; from the second step a parameter is ready when its count is
+  /// reached, so the buckets overlap with backward again, and the unused
+  /// ones are known without find_unused_parameters' graph walk and
+  /// used-flag all-reduce. The counts must agree across ranks; a later step
+  /// whose graph differs is an error naming the parameter. Whoever drives
+  /// the reducer calls `finish_backward()` after each backward (the DDP
+  /// engine does). DDP only (not with gradient_owners).
+  /// See Note [Static graphs] (reducer.hpp).
+  TORCH_ARG(bool, static_graph) = false;
   /// ZeRO-2: the rank that owns each parameter's averaged gradient (indexed
   /// like the parameters given to the reducer; every rank the same). Buckets
   /// never span two owners; each is reduced to its owner
