@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "doctest_torch.hpp"
+#include "test_paths.hpp"
 
 #include <chrono>
 #include <cstdlib>
@@ -112,15 +113,13 @@ inline void skip_case(const std::string& why) {
   } while (false)
 
 /// The Python with torch 2.x and torchvision that scripts/install-deps.sh
-/// puts in the project's virtual environment (DDPKIT_TEST_PYTHON, set by
+/// puts in the project's virtual environment (configured_python(), set by
 /// CMake; the environment variable DDPKIT_PYTHON overrides it), or "" when
 /// it cannot import them.
 inline std::string python_with_torch() {
   std::string py;
   if (const char* env = std::getenv("DDPKIT_PYTHON")) py = env;
-#ifdef DDPKIT_TEST_PYTHON
-  if (py.empty()) py = DDPKIT_TEST_PYTHON;
-#endif
+  if (py.empty()) py = configured_python();
   if (py.empty()) return "";
   const std::string cmd =
       py + " -c 'import torch, torchvision' >/dev/null 2>&1";

@@ -455,7 +455,7 @@ TEST_SUITE("train") {
       TempDir dir;
       auto [res, secs] = test::timed_run_workers(
           "task_liveness_fault", 2, dir.str(),
-          {{"T_FAULT", "skip"}, {"DDPKIT_DOCTOR", DDPKIT_DOCTOR}});
+          {{"T_FAULT", "skip"}, {"DDPKIT_DOCTOR", test::doctor_script()}});
       CHECK(res.exit_code == kPeerFailureExitCode);
       long long skipped_us = 0;
       std::ifstream(dir / "skipped") >> skipped_us;
