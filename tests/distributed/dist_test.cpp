@@ -781,8 +781,8 @@ TEST_SUITE("dist") {
   std::pair<int, std::string> run_doctor(const TempDir& dir,
                                          const std::string& args) {
     const auto out = dir / "doctor.txt";
-    const std::string cmd = std::string("python3 ") + test::doctor_script() + " " +
-                            args + " > " + out.string() + " 2>&1";
+    const std::string cmd = std::string("python3 ") + test::doctor_script() +
+                            " " + args + " > " + out.string() + " 2>&1";
     const int status = std::system(cmd.c_str());
     std::ifstream in(out);
     std::string text((std::istreambuf_iterator<char>(in)), {});
