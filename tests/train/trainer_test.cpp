@@ -336,33 +336,42 @@ struct WideNetImpl : torch::nn::Cloneable<WideNetImpl> {
 };
 TORCH_MODULE(WideNet);
 
-/// The epoch of the last batch trained (KillDuringWrite), read by the
-/// background writer's hook.
-std::atomic<int> g_epoch_trained{-1};
+/// Batches trained so far (KillDuringWrite), read by the background
+/// writer's hook.
+std::atomic<int> g_batches_trained{0};
 
-/// Kills its own process (SIGKILL, nothing flushed) at the first batch of
-/// the third epoch that finds the second epoch's checkpoint still being
-/// written in the background (its temporary, last.pt.tmp-*, exists),
-/// leaving a file "killing" first. The write is held before its rename
-/// until then (trainer_async_kill's hook): a fast disk once finished it
-/// within a batch, and the kill never came.
+/// True when `dir` holds a whole last.pt and a temporary of the next one
+/// (last.pt.tmp-*): a background write of a second last.pt in progress.
+bool second_last_pt_in_progress(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir / "last.pt", ec)) return false;
+  for (const auto& f : fs::directory_iterator(dir, ec)) {
+    if (f.path().filename().string().rfind("last.pt.tmp-", 0) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+/// Kills its own process (SIGKILL, nothing flushed) at the first batch
+/// that finds a later last.pt being written in the background beside a
+/// whole one, leaving a file "killing" first. The write is held before its
+/// rename until then (trainer_async_kill's hook): a fast disk once
+/// finished it within a batch, and the kill never came.
 struct KillDuringWrite {
   fs::path dir;
   void on(const train::BatchEnd& e) {
-    g_epoch_trained.store(e.state.epoch);
-    if (e.state.epoch < 2) return;
-    std::error_code ec;
-    for (const auto& f : fs::directory_iterator(dir / "checkpoints", ec)) {
-      if (f.path().filename().string().rfind("last.pt.tmp-", 0) == 0) {
-        std::ofstream(dir / "killing") << e.state.step;
-        ::raise(SIGKILL);
-      }
+    g_batches_trained.fetch_add(1);
+    if (second_last_pt_in_progress(dir / "checkpoints")) {
+      std::ofstream(dir / "killing") << e.state.step;
+      ::raise(SIGKILL);
     }
   }
 };
 
 /// Trains WideNet for 4 epochs with asynchronous checkpoints; killed by
-/// KillDuringWrite in the third (exit 3 if it never caught a write).
+/// KillDuringWrite in the second or third (exit 3 if it never caught a
+/// write).
 DDPKIT_WORKER(trainer_async_kill) {
   const fs::path out = test::worker_dir() / "out";
   auto d = make_data(256, 16);
@@ -370,12 +379,19 @@ DDPKIT_WORKER(trainer_async_kill) {
   SingleDeviceTrainer<WideNet> t(
       WideNet(), adam(),
       base_options(out, 4).async_checkpoints(true).verbose(false));
-  // A write made once the second epoch trains (its end's checkpoint) waits
-  // before its rename until a batch of the third has trained (which finds
-  // the temporary and kills), at most 60 s.
-  train::before_rename_hook() = [] {
-    if (g_epoch_trained.load() < 1) return;
-    for (int i = 0; i < 600 && g_epoch_trained.load() < 2; ++i) {
+  // A background write of last.pt when a whole one exists (the second
+  // epoch's, launched at its end: the first one's has finished by then,
+  // the queue holds one write) waits before its rename until a batch
+  // has trained since (the next epoch's first, which finds the temporary
+  // and kills), at most 60 s. Nothing else is held: the training thread
+  // would wait for a held write at its next checkpoint and never train
+  // the batch the hold waits for.
+  const auto training_thread = std::this_thread::get_id();
+  train::before_rename_hook() = [training_thread, out] {
+    if (std::this_thread::get_id() == training_thread) return;
+    if (!second_last_pt_in_progress(out / "checkpoints")) return;
+    const int seen = g_batches_trained.load();
+    for (int i = 0; i < 600 && g_batches_trained.load() == seen; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     std::this_thread::sleep_for(std::chrono::seconds(5));  // the kill
