@@ -103,17 +103,23 @@ else()
   message(STATUS "cmake_import: SKIPPED the wheel's prefix: no torch in '${PYTHON}'")
 endif()
 
-# (b) ddpkit's prefix alone (the libtorch the system has): an example builds
-# on its own against the installed package and runs. (It was a second build
-# of the consumer as well, until CI time asked for one libtorch build fewer:
-# the example's find_package(ddpkit) is the same path.)
+# (b) ddpkit's prefix alone (the libtorch the system has): the consumer
+# builds against the installed package and runs; an example folder
+# configures on its own against it (its find_package(ddpkit), CLI11 and
+# target definitions: a build would compile one more whole example, and its
+# code is what stage 1 builds already; CI time).
+set(alone_work ${BUILD_DIR}/cmake_import/build-prefix)
+file(REMOVE_RECURSE ${alone_work})
+consumer(${alone_work} "${prefix}" "ddpkit's prefix alone" out)
 set(ex_work ${BUILD_DIR}/cmake_import/example)
 file(REMOVE_RECURSE ${ex_work})
-# one translation unit: a precompiled header would only add its own build
-# (CI time)
-build_project(${EXAMPLE_DIR} ${ex_work} "${prefix}" "examples/cifar10 alone"
-              -DDDPKIT_MODE=single -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON)
-execute_process(COMMAND ${ex_work}/bin/cifar10-single --help RESULT_VARIABLE rc OUTPUT_VARIABLE help)
-if(rc OR NOT help MATCHES "--world-size")
-  message(FATAL_ERROR "the standalone cifar10-single does not run")
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${EXAMPLE_DIR} -B ${ex_work} ${consumer_args}
+                        "-DCMAKE_PREFIX_PATH=${prefix}" -DDDPKIT_MODE=single
+                RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "configuring examples/cifar10 alone (-DCMAKE_PREFIX_PATH=${prefix}) failed")
+endif()
+file(READ ${ex_work}/build.ninja ninja_file)
+if(NOT ninja_file MATCHES "cifar10-single")
+  message(FATAL_ERROR "examples/cifar10 alone defines no cifar10-single target (${ex_work}/build.ninja)")
 endif()

@@ -4,13 +4,31 @@
 #   python_load.sh OUT_DIR NUM_CLASSES
 # Every weights/model-*.pt is a state dict that torchvision's resnet34
 # accepts (strict), as is checkpoints/best.pt's "model" entry.
+#   python_load.sh OUT_DIR -
+# Any model (cifar10's net): checkpoints/best.pt's and last.pt's "model"
+# entries are state dicts of tensors with the same keys and shapes.
 set -euo pipefail
 out=$1 classes=$2
 source "$(dirname "$0")/torch_python.sh"
 "$py" - "$out" "$classes" <<'PY'
 import glob, sys
 import torch, torchvision
-out, classes = sys.argv[1], int(sys.argv[2])
+out = sys.argv[1]
+if sys.argv[2] == "-":
+    seen = None
+    for name in ("best.pt", "last.pt"):
+        path = f"{out}/checkpoints/{name}"
+        sd = torch.load(path)["model"]  # weights_only=True on torch >= 2.6
+        bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+        if not sd or bad:
+            sys.exit(f"{path}: 'model' is not a state dict of tensors ({bad or 'empty'})")
+        shapes = {k: tuple(v.shape) for k, v in sd.items()}
+        if seen is not None and shapes != seen:
+            sys.exit(f"{path}: keys or shapes differ from best.pt's")
+        seen = shapes
+        print(f"{path}: torch {torch.__version__} torch.load: {len(sd)} tensors")
+    sys.exit(0)
+classes = int(sys.argv[2])
 weights = sorted(glob.glob(f"{out}/weights/model-*.pt"))
 if not weights:
     sys.exit(f"no {out}/weights/model-*.pt")
