@@ -103,23 +103,30 @@ else()
   message(STATUS "cmake_import: SKIPPED the wheel's prefix: no torch in '${PYTHON}'")
 endif()
 
-# (b) ddpkit's prefix alone (the libtorch the system has): the consumer
-# builds against the installed package and runs; an example folder
-# configures on its own against it (its find_package(ddpkit), CLI11 and
-# target definitions: a build would compile one more whole example, and its
-# code is what stage 1 builds already; CI time).
-set(alone_work ${BUILD_DIR}/cmake_import/build-prefix)
-file(REMOVE_RECURSE ${alone_work})
-consumer(${alone_work} "${prefix}" "ddpkit's prefix alone" out)
-set(ex_work ${BUILD_DIR}/cmake_import/example)
-file(REMOVE_RECURSE ${ex_work})
-execute_process(COMMAND ${CMAKE_COMMAND} -S ${EXAMPLE_DIR} -B ${ex_work} ${consumer_args}
-                        "-DCMAKE_PREFIX_PATH=${prefix}" -DDDPKIT_MODE=single
-                RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "configuring examples/cifar10 alone (-DCMAKE_PREFIX_PATH=${prefix}) failed")
-endif()
-file(READ ${ex_work}/build.ninja ninja_file)
-if(NOT ninja_file MATCHES "cifar10-single")
-  message(FATAL_ERROR "examples/cifar10 alone defines no cifar10-single target (${ex_work}/build.ninja)")
-endif()
+# (b) ddpkit's prefix alone (the libtorch the system has): the consumer and
+# an example folder configure on their own against the installed package
+# (find_package(ddpkit) finds its dependencies; the example's CLI11 and
+# target definitions). Neither is built: (a) builds the consumer from the
+# same installed headers, and stage 1 the example's code (CI time).
+foreach(project IN ITEMS consumer example)
+  set(work ${BUILD_DIR}/cmake_import/${project}-prefix-alone)
+  file(REMOVE_RECURSE ${work})
+  set(source ${SOURCE_DIR})
+  set(extra "")
+  set(target consumer)
+  if(project STREQUAL "example")
+    set(source ${EXAMPLE_DIR})
+    set(extra -DDDPKIT_MODE=single)
+    set(target cifar10-single)
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${source} -B ${work} ${consumer_args}
+                          "-DCMAKE_PREFIX_PATH=${prefix}" ${extra}
+                  RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "configuring ${source} with ddpkit's prefix alone (-DCMAKE_PREFIX_PATH=${prefix}) failed")
+  endif()
+  file(READ ${work}/build.ninja ninja_file)
+  if(NOT ninja_file MATCHES "${target}")
+    message(FATAL_ERROR "${source} configured alone defines no ${target} target (${work}/build.ninja)")
+  endif()
+endforeach()

@@ -922,6 +922,19 @@ DDPKIT_WORKER(trainer_sharded) {
     trainer.fit(d.train, d.val, data::CifarEval{}, data::CifarEval{},
                 data::LoaderOptions(5).workers(0));
   };
+  if (flag("T_KILL") && g.rank() == 1) {
+    // Rank 1 dies (SIGKILL, nothing flushed) in its background writer,
+    // before the rename of its part of a checkpoint that follows a
+    // committed one (last.pt exists), leaving a file "killed" first.
+    const auto checkpoints = test::worker_dir() / "out" / "checkpoints";
+    const auto training_thread = std::this_thread::get_id();
+    train::before_rename_hook() = [training_thread, checkpoints] {
+      if (std::this_thread::get_id() == training_thread) return;
+      if (!fs::exists(checkpoints / "last.pt")) return;
+      std::ofstream(test::worker_dir() / "killed") << "mid-write";
+      ::raise(SIGKILL);
+    };
+  }
   if (mode == "zero3") {
     ZeRO3Trainer<UnitMlp> t(UnitMlp(), make, opts, g);
     run(t);
@@ -1053,6 +1066,42 @@ TEST_SUITE("sharded") {
                                          whole_model_of(whole / last));
       MESSAGE("asynchronous sharded checkpoints, stopped and resumed: ", da);
       CHECK(da <= 1e-6);
+    }
+    // A rank killed while writing its part in the background: no manifest
+    // names the unfinished folder; last.pt stays the previous checkpoint,
+    // whole, and a resume from it ends as the run that did not stop.
+    {
+      TempDir killed;
+      auto e = env("zero3", 3, "", true, "adamw");
+      e.emplace_back("T_ASYNC", "1");
+      e.emplace_back("T_KILL", "1");
+      CHECK_FALSE(run_workers("trainer_sharded", 2, killed.str(), e).ok());
+      REQUIRE_MESSAGE(fs::exists(killed / "killed"),
+                      "rank 1 never wrote a part after a committed "
+                      "checkpoint");
+      auto archive = train::open_checkpoint(killed / last);
+      const auto state = train::TrainingState::load(
+          archive, killed / last, kColumns, train::Classification::num_sums);
+      CHECK(state.epochs_done >= 1);
+      CHECK(state.epochs_done <= 2);
+      const auto set = train::read_shard_set(archive, killed / last);
+      for (const auto& f : train::shard_files(set, killed / last)) {
+        CHECK(fs::exists(f));
+      }
+      // The unfinished part is not among them.
+      int folders = 0;
+      for (const auto& f :
+           fs::directory_iterator(killed / "out/checkpoints/shards")) {
+        folders += f.is_directory();
+      }
+      CHECK(folders >= 2);
+      e = env("zero3", 3, "auto", true, "adamw");
+      e.emplace_back("T_ASYNC", "1");
+      REQUIRE(run_workers("trainer_sharded", 2, killed.str(), e).ok());
+      const double dk = model_difference(whole_model_of(killed / last),
+                                         whole_model_of(whole / last));
+      MESSAGE("rank 1 killed mid-write, resumed: ", dk);
+      CHECK(dk <= 1e-6);
     }
     // A rank's file lost: the resume fails (naming it) and changes nothing.
     {

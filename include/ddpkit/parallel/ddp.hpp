@@ -180,10 +180,10 @@ struct BasicDDP {
         broadcast_coalesced(group_, as_module(model_).buffers(), 0);
       }
       torch::Tensor out = data::forward_inputs(model_, x);
-      if (reducer_ && torch::GradMode::is_enabled() &&
-          opts_.reducer().find_unused_parameters() &&
-          !opts_.reducer().static_graph()) {
-        reducer_->prepare_for_backward({out});  // the unused-parameter walk
+      if (reducer_ && torch::GradMode::is_enabled()) {
+        // The unused-parameter walk, where the reducer needs one
+        // (find_unused_parameters without a static graph).
+        reducer_->prepare_for_backward({out});
       }
       return out;
     }

@@ -275,19 +275,17 @@ class Reducer : public BucketStore {
       finalize_recording();
       return;
     }
-    std::string list;
-    std::size_t short_of = 0;
+    std::vector<std::size_t> short_of;
     for (std::size_t k = 0; k < params_.size(); ++k) {
-      if (ready_[k]) continue;
-      if (++short_of <= 10) {
-        list += ddpkit::detail::cat(short_of > 1 ? ", " : "", names_[k], " (",
-                                    fires_[k], " of ", expected_[k], ")");
-      }
+      if (!ready_[k]) short_of.push_back(k);
     }
-    if (short_of > 10) list += ", ...";
+    const std::string list = name_list(short_of, [this](std::size_t k) {
+      return ddpkit::detail::cat(names_[k], " (", fires_[k], " of ",
+                                 expected_[k], ")");
+    });
     (void)drain_and_reset();
     throw Error(ddpkit::detail::cat(
-        "DDP static_graph: ", short_of,
+        "DDP static_graph: ", short_of.size(),
         " parameter(s) received fewer gradients in this backward than in the "
         "first step: ",
         list,
@@ -295,10 +293,6 @@ class Reducer : public BucketStore {
         "for this model)"));
   }
 
-  /// With static_graph: whether the first step has recorded the graph.
-  bool static_graph_recorded() const {
-    return static_phase_ == StaticPhase::fixed;
-  }
   /// With static_graph, after the first step: how many times each
   /// parameter's gradient is accumulated in one backward (de-duplicated
   /// parameters, in the order given).
@@ -722,8 +716,7 @@ class Reducer : public BucketStore {
       step_bytes_at_start_ = group_.bytes_started();
       count_loose_gradients(i);
       if (static_phase_ == StaticPhase::fixed) {
-        for (std::size_t k = 0; k < params_.size(); ++k) {
-          if (expected_[k] != 0) continue;
+        for (auto k : static_unused_) {
           adopt_grad(k);
           mark_ready(k);
         }
@@ -788,6 +781,10 @@ class Reducer : public BucketStore {
           " ranks; static_graph needs the same graph on every rank"));
     }
     expected_.assign(fires_.begin(), fires_.end());
+    static_unused_.clear();
+    for (std::size_t k = 0; k < n; ++k) {
+      if (expected_[k] == 0) static_unused_.push_back(k);
+    }
     // Unused parameters first (ready at a step's start), then by the
     // position of each parameter's last accumulation.
     std::vector<std::size_t> last(n, 0);
@@ -810,28 +807,15 @@ class Reducer : public BucketStore {
     std::exception_ptr failed;
     complete_buckets("gradient all-reduce", failed);
     restore_unused_grads();
-    if (!failed && opts_.rebuild_buckets() && rebuilds_ == 0 &&
-        rebuild_allowed_ && arrival_.size() == n) {
-      rebuild_in_arrival_order();
-    }
     static_phase_ = StaticPhase::fixed;
-    ++steps_completed_;
-    last_step_bytes_ = group_.bytes_started() - step_bytes_at_start_;
-    reset_step();
-    if (failed) std::rethrow_exception(failed);
-    const auto t1 = Trace::clock::now();
-    last_wait_seconds_ = std::chrono::duration<double>(t1 - t0).count();
-    if (trace_) trace_->record("wait after backward", t0, t1, 0);
+    complete_step(t0, failed);
   }
 
   // A recorded static graph: a parameter no rank uses keeps the undefined
   // gradient it had before the step (as find_unused_parameters gives).
   void restore_unused_grads() {
-    if (expected_.empty()) return;
-    for (std::size_t k = 0; k < params_.size(); ++k) {
-      if (expected_[k] == 0 && was_undefined_[k]) {
-        params_[k].mutable_grad() = torch::Tensor();
-      }
+    for (auto k : static_unused_) {
+      if (was_undefined_[k]) params_[k].mutable_grad() = torch::Tensor();
     }
   }
 
@@ -917,11 +901,8 @@ class Reducer : public BucketStore {
     }
     if (error) {
       std::erase_if(missing, [&](std::size_t i) { return used_[i] != 0; });
-      std::string list;
-      for (std::size_t k = 0; k < missing.size() && k < 10; ++k) {
-        list += (k ? ", " : "") + names_[missing[k]];
-      }
-      if (missing.size() > 10) list += ", ...";
+      const std::string list =
+          name_list(missing, [this](std::size_t k) { return names_[k]; });
       (void)drain_and_reset();  // nothing left in flight
       throw Error(ddpkit::detail::cat(
           "DDP: ", missing.size(),
@@ -968,6 +949,15 @@ class Reducer : public BucketStore {
     }
     // Before a rebuild, which starts a new step's counts.
     last_step_unowned_held_ = step_unowned_held_;
+    complete_step(t0, failed);
+  }
+
+  // The end of every synchronised step (finalize, finalize_recording),
+  // every bucket completed: the buckets rebuilt in arrival order once, the
+  // step counted and reset, then the first failure rethrown or the wait
+  // since `t0` recorded.
+  void complete_step(Trace::clock::time_point t0,
+                     const std::exception_ptr& failed) {
     if (!failed && opts_.rebuild_buckets() && rebuilds_ == 0 &&
         rebuild_allowed_ && arrival_.size() == params_.size()) {
       rebuild_in_arrival_order();
@@ -976,9 +966,22 @@ class Reducer : public BucketStore {
     last_step_bytes_ = group_.bytes_started() - step_bytes_at_start_;
     reset_step();
     if (failed) std::rethrow_exception(failed);
-    auto t1 = Trace::clock::now();
+    const auto t1 = Trace::clock::now();
     last_wait_seconds_ = std::chrono::duration<double>(t1 - t0).count();
     if (trace_) trace_->record("wait after backward", t0, t1, 0);
+  }
+
+  // Up to ten of `which`, each as `describe` gives it, joined by ", "
+  // (", ..." after the tenth): the parameters an error names.
+  template <class Describe>
+  static std::string name_list(const std::vector<std::size_t>& which,
+                               Describe describe) {
+    std::string list;
+    for (std::size_t k = 0; k < which.size() && k < 10; ++k) {
+      list += (k ? ", " : "") + describe(which[k]);
+    }
+    if (which.size() > 10) list += ", ...";
+    return list;
   }
 
   Trace* trace_;
@@ -1014,7 +1017,8 @@ class Reducer : public BucketStore {
   StaticPhase static_phase_ = StaticPhase::off;
   std::vector<int32_t> fires_;     // accumulations per parameter this step
   std::vector<int32_t> expected_;  // recorded by the first step
-  std::vector<std::size_t> fire_order_;  // the first step's accumulations
+  std::vector<std::size_t> static_unused_;  // expected_ 0: no rank uses them
+  std::vector<std::size_t> fire_order_;     // the first step's accumulations
   bool finalize_queued_ = false;
   double last_wait_seconds_ = 0;
 };

@@ -21,6 +21,7 @@
 
 #include "ddpkit/detail/error.hpp"
 #include "ddpkit/detail/scope_guard.hpp"
+#include "ddpkit/detail/strings.hpp"
 
 namespace ddpkit::train {
 
@@ -158,13 +159,8 @@ inline std::unique_ptr<at::ObserverContext> record_capture_op(
   for (const auto& v : fn.inputs()) {
     if (!v.isTensor()) continue;
     const auto& t = v.toTensor();
-    op.shapes += op.shapes.empty() ? "[" : " [";
-    if (t.defined()) {
-      for (std::size_t d = 0; d < t.sizes().size(); ++d) {
-        op.shapes += (d ? ", " : "") + std::to_string(t.sizes()[d]);
-      }
-    }
-    op.shapes += "]";
+    if (!op.shapes.empty()) op.shapes += ' ';
+    op.shapes += t.defined() ? ddpkit::detail::cat(t.sizes()) : "[]";
   }
   std::lock_guard<std::mutex> lock(r.mutex);
   if (r.into) r.into->push_back(std::move(op));
