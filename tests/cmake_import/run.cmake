@@ -26,16 +26,22 @@ if(CXX_LAUNCHER)
   list(APPEND consumer_args "-DCMAKE_CXX_COMPILER_LAUNCHER=${CXX_LAUNCHER}")
 endif()
 
-# build_project(<source> <work> <prefix path> <label> [cache args...]):
-# configure and build <source> in <work> with CMAKE_PREFIX_PATH=<prefix
-# path>; a failure fails the test, naming <label>.
-function(build_project source work prefix_path label)
+# configure_project(<source> <work> <prefix path> <label> [cache args...]):
+# configure <source> in <work> with CMAKE_PREFIX_PATH=<prefix path>; a
+# failure fails the test, naming <label>.
+function(configure_project source work prefix_path label)
   execute_process(COMMAND ${CMAKE_COMMAND} -S ${source} -B ${work} ${consumer_args}
                           "-DCMAKE_PREFIX_PATH=${prefix_path}" ${ARGN}
                   RESULT_VARIABLE rc)
   if(rc)
     message(FATAL_ERROR "configuring ${label} (-DCMAKE_PREFIX_PATH=${prefix_path}) failed")
   endif()
+endfunction()
+
+# build_project(<source> <work> <prefix path> <label> [cache args...]):
+# configure_project, then build; a failure fails the test, naming <label>.
+function(build_project source work prefix_path label)
+  configure_project(${source} ${work} "${prefix_path}" "${label}" ${ARGN})
   execute_process(COMMAND ${CMAKE_COMMAND} --build ${work} RESULT_VARIABLE rc)
   if(rc)
     message(FATAL_ERROR "building ${label} failed")
@@ -119,12 +125,7 @@ foreach(project IN ITEMS consumer example)
     set(extra -DDDPKIT_MODE=single)
     set(target cifar10-single)
   endif()
-  execute_process(COMMAND ${CMAKE_COMMAND} -S ${source} -B ${work} ${consumer_args}
-                          "-DCMAKE_PREFIX_PATH=${prefix}" ${extra}
-                  RESULT_VARIABLE rc)
-  if(rc)
-    message(FATAL_ERROR "configuring ${source} with ddpkit's prefix alone (-DCMAKE_PREFIX_PATH=${prefix}) failed")
-  endif()
+  configure_project(${source} ${work} "${prefix}" "${source} with ddpkit's prefix alone" ${extra})
   file(READ ${work}/build.ninja ninja_file)
   if(NOT ninja_file MATCHES "${target}")
     message(FATAL_ERROR "${source} configured alone defines no ${target} target (${work}/build.ninja)")

@@ -12,7 +12,7 @@ out=$1 classes=$2
 source "$(dirname "$0")/torch_python.sh"
 "$py" - "$out" "$classes" <<'PY'
 import glob, sys
-import torch, torchvision
+import torch
 out = sys.argv[1]
 if sys.argv[2] == "-":
     seen = None
@@ -28,6 +28,7 @@ if sys.argv[2] == "-":
         seen = shapes
         print(f"{path}: torch {torch.__version__} torch.load: {len(sd)} tensors")
     sys.exit(0)
+import torchvision
 classes = int(sys.argv[2])
 weights = sorted(glob.glob(f"{out}/weights/model-*.pt"))
 if not weights:
